@@ -1,0 +1,40 @@
+# The two set-up commands (README): `make demo` and `make test`. Both create .venv and install
+# everything they need; nothing has to be installed by hand.
+PY_SYS ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test test-slow bench install kernels clean
+
+$(STAMP): pyproject.toml
+	$(PY_SYS) -m venv $(VENV)
+	# torch first and pinned: 2.13.0 is the CPU build on local disk (any other spec downloads GBs)
+	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	$(PY) -m specdec.kernels  # build the C++ matmul extension once (falls back to torch if it cannot)
+	touch $(STAMP)
+
+install: $(STAMP)
+
+kernels: $(STAMP)
+	$(PY) -m specdec.kernels
+
+demo: $(STAMP)
+	$(PY) -m specdec.cli models fetch qwen2.5-coder-1.5b
+	$(PY) -m specdec.cli models fetch qwen2.5-coder-0.5b
+	$(PY) -m specdec.cli generate --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \
+	    --num-draft-tokens 4 --temperature 0 --max-tokens 96 --threads 2 --stats \
+	    "Write a Python function that checks whether a string is a palindrome."
+
+test: $(STAMP)
+	$(PY) -m specdec.cli models fetch smollm2-135m
+	$(PY) -m pytest -q -x
+
+test-slow: $(STAMP)
+	$(PY) -m specdec.cli models fetch qwen2.5-coder-1.5b
+	$(PY) -m specdec.cli models fetch qwen2.5-coder-0.5b
+	$(PY) -m pytest -q -m slow
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,107 @@
+"""Python API in vLLM's shape: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specdec.config import SamplingParams, SpeculativeConfig
+from specdec.engine import Engine
+from specdec.errors import SpecdecError
+from specdec.hub import DEFAULT_MODEL, resolve_model
+from specdec.model import Transformer
+from specdec.tokenizer import Tokenizer
+from specdec.weights import load_hf_dir
+
+DTYPES = ("fp32", "bf16")
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_model(name: str, dtype: str = "fp32", device: str | None = None, progress=None):
+    """(Transformer, Tokenizer) from a registry name, a GGUF file or an HF directory."""
+    if dtype not in DTYPES:
+        raise SpecdecError(f"dtype={dtype!r}; allowed: {', '.join(DTYPES)}")
+    device = device or default_device()
+    if device not in ("cpu", "cuda"):
+        raise SpecdecError(f"device={device!r}; allowed: cpu, cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SpecdecError("device='cuda' but no CUDA device is available; use --device cpu")
+    path = resolve_model(name, progress)
+    args, state = load_hf_dir(path)
+    tok = Tokenizer.load(path)
+    return Transformer(args, state, dtype=dtype, device=device), tok
+
+
+def check_draft_compatible(target_tok: Tokenizer, draft_tok: Tokenizer, t_name: str, d_name: str) -> int:
+    """The shared real vocabulary size; refuse drafts whose tokens differ from the target's."""
+    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
+    if tv != dv:
+        diff = len(set(tv.items()) ^ set(dv.items()))
+        raise SpecdecError(
+            f"draft {d_name!r} has an incompatible tokenizer: vocabulary of {len(dv)} tokens vs the "
+            f"target {t_name!r}'s {len(tv)} ({diff} token/id pairs differ); the draft must use the "
+            "target's tokenizer")
+    return target_tok.vocab_size
+
+
+@dataclass
+class RequestOutput:
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: dict
+    prefill_s: float
+    decode_s: float
+
+
+class LLM:
+    def __init__(self, model: str = DEFAULT_MODEL, speculative_config: dict | SpeculativeConfig | None = None,
+                 dtype: str = "fp32", device: str | None = None, max_model_len: int = 4096,
+                 max_batch: int = 8, progress=None):
+        t0 = time.perf_counter()
+        self.model, self.tokenizer = load_model(model, dtype, device, progress)
+        self.model_name = model
+        self.spec = None
+        proposer = None
+        vocab = min(self.model.args.vocab_size, self.tokenizer.vocab_size)
+        if speculative_config is not None:
+            spec = speculative_config if isinstance(speculative_config, SpeculativeConfig) \
+                else SpeculativeConfig(**speculative_config)
+            self.spec = spec
+            if spec.draft is not None and spec.num_draft_tokens > 0:
+                from specdec.proposers import DraftModelProposer
+
+                draft, dtok = load_model(spec.draft, spec.draft_dtype, device, progress)
+                vocab = check_draft_compatible(self.tokenizer, dtok, model, spec.draft)
+                vocab = min(vocab, draft.args.vocab_size, self.model.args.vocab_size)
+                max_len = min(max_model_len, self.model.args.max_seq_len, draft.args.max_seq_len)
+                proposer = DraftModelProposer(draft, vocab, max_len, spec.draft_sampling)
+        self.engine = Engine(self.model, self.tokenizer, proposer,
+                             self.spec.num_draft_tokens if self.spec else 0,
+                             max_batch=max_batch, max_seq_len=max_model_len, vocab_size=vocab)
+        self.load_s = time.perf_counter() - t0
+
+    def encode(self, prompt: str | list[int], raw: bool = False) -> list[int]:
+        if isinstance(prompt, list):
+            return prompt
+        if not prompt:
+            raise SpecdecError("prompt is empty; it needs at least 1 character")
+        return self.tokenizer.encode_prompt(prompt, raw=raw)
+
+    def generate(self, prompts, sampling_params: SamplingParams | None = None, raw: bool = False,
+                 on_text=None) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        ids = [self.encode(p, raw) for p in prompts]
+        cb = None if on_text is None else (lambda r, delta: on_text(r.id, delta))
+        reqs = self.engine.generate(ids, params, on_event=cb)
+        return [RequestOutput(prompt_token_ids=r.prompt, text=r.text, token_ids=r.output,
+                              finish_reason=r.finish_reason, stats=r.stats.to_dict(),
+                              prefill_s=r.prefill_time, decode_s=r.decode_time) for r in reqs]

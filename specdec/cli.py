@@ -1,0 +1,150 @@
+"""Command line: `specdec generate | models list | models fetch`.
+
+Bad input is one line on stderr naming the value and the allowed range, exit code 2, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from specdec.errors import SpecdecError
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    from specdec.hub import DEFAULT_MODEL
+
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"registry name, GGUF file or HF directory (default: {DEFAULT_MODEL})")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="target weight storage; bf16 rounds the target's weights, so it CHANGES the "
+                        "model whose distribution is reproduced (default: fp32)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--max-model-len", type=int, default=4096, help="context length cap (default: 4096)")
+
+
+def _add_spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft", default=None, help="draft model (name, GGUF or HF dir) for speculation")
+    p.add_argument("--num-draft-tokens", type=int, default=4, help="draft tokens per round k (default 4)")
+    p.add_argument("--draft-sampling", default="probabilistic", choices=["probabilistic", "greedy"],
+                   help="draft samples from q (probabilistic) or takes its argmax (one-hot q)")
+    p.add_argument("--draft-dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="draft weight storage; never changes the output distribution, only acceptance")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p * max prob, [0, 1]")
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="generate text for one prompt")
+    _add_model_args(g)
+    _add_spec_args(g)
+    _add_sampling_args(g)
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    g.add_argument("--stats", action="store_true", help="print speculative metrics after the text")
+    g.add_argument("prompt")
+    m = sub.add_parser("models", help="list or fetch the registry's models")
+    msub = m.add_subparsers(dest="models_cmd", required=True)
+    msub.add_parser("list")
+    f = msub.add_parser("fetch")
+    f.add_argument("name")
+    return ap
+
+
+def _sampling_params(a):
+    from specdec.config import SamplingParams
+
+    return SamplingParams(
+        temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
+        repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
+        frequency_penalty=a.frequency_penalty, seed=a.seed, max_tokens=a.max_tokens, stop=a.stop)
+
+
+def cmd_generate(a) -> int:
+    import torch
+
+    from specdec.api import LLM
+
+    if a.threads is not None:
+        if a.threads < 1:
+            raise SpecdecError(f"threads={a.threads} is out of range; allowed [1, inf)")
+        torch.set_num_threads(a.threads)
+    if a.max_model_len < 2:
+        raise SpecdecError(f"max_model_len={a.max_model_len} is out of range; allowed [2, inf)")
+    if not a.prompt:
+        raise SpecdecError("prompt is empty; it needs at least 1 character")
+    params = _sampling_params(a)
+    spec = None
+    if a.draft is not None:
+        from specdec.config import SpeculativeConfig
+
+        spec = SpeculativeConfig(draft=a.draft, num_draft_tokens=a.num_draft_tokens,
+                                 draft_sampling=a.draft_sampling, draft_dtype=a.draft_dtype)
+    progress = (lambda s: print(s, file=sys.stderr, flush=True))
+    llm = LLM(a.model, speculative_config=spec, dtype=a.dtype, device=a.device,
+              max_model_len=a.max_model_len, max_batch=1, progress=progress)
+    on_text = None if a.json else (lambda _id, delta: print(delta, end="", flush=True))
+    out = llm.generate([a.prompt], params, raw=a.raw, on_text=on_text)[0]
+    n = len(out.token_ids)
+    if a.json:
+        print(json.dumps({
+            "text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+            "usage": {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": n},
+            "timing": {"load_s": llm.load_s, "prefill_s": out.prefill_s, "decode_s": out.decode_s,
+                       "decode_tokens_per_s": n / out.decode_s if out.decode_s > 0 else 0.0},
+            "stats": out.stats,
+        }))
+    else:
+        print()
+        if a.stats:
+            print(json.dumps(out.stats), file=sys.stderr)
+        print(f"[{n} tokens, {n / max(out.decode_s, 1e-9):.1f} tok/s, finish: {out.finish_reason}]",
+              file=sys.stderr)
+    return 0
+
+
+def cmd_models(a) -> int:
+    from specdec import hub
+
+    if a.models_cmd == "list":
+        for name, spec in hub.REGISTRY.items():
+            state = "fetched" if hub.is_fetched(name) else "not fetched"
+            print(f"{name:22s} {spec.size / 1e6:7.0f} MB  {spec.quantisation:10s} {state:12s} {spec.description}")
+        return 0
+    from rich.progress import Progress
+
+    with Progress() as prog:
+        task = prog.add_task(f"fetch {a.name}", total=None)
+        path = hub.fetch(a.name, progress=lambda s: prog.update(task, description=s))
+    print(path)
+    return 0
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    try:
+        return {"generate": cmd_generate, "models": cmd_models}[a.cmd](a)
+    except SpecdecError as e:
+        print(f"specdec: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""Static KV buffers with per-row lengths; rollback is arithmetic on lengths.
+
+The buffers are preallocated for `capacity` positions per row: the context length plus head-room
+for one verification block (k + 1 tokens), so that verify forwards never need to reallocate. The
+model writes keys/values at the positions it is given and attends to slots <= each query's
+position; it never touches `lengths`. The caller (engine or proposer) owns the lengths: it calls
+`advance` after tokens are known to belong to the history and `rollback` to drop rejected ones.
+Stale slots past a row's length are masked by position and overwritten by the next forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.errors import SpecdecError
+
+
+class KVCache:
+    def __init__(self, n_layers: int, batch_size: int, n_kv_heads: int, head_dim: int,
+                 max_seq_len: int, headroom: int = 33, dtype=torch.float32, device="cpu"):
+        self.max_seq_len = max_seq_len  # the context limit a request may reach
+        self.capacity = max_seq_len + headroom  # slots actually allocated
+        shape = (n_layers, batch_size, n_kv_heads, self.capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, Hkv, S, D]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, Hkv, S, D]
+        self.lengths = [0] * batch_size  # tokens with valid KV, per row (host ints: no sync)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
+
+    def check_fits(self, row: int, n_new: int) -> None:
+        """Raise if writing n_new tokens after row's current length would pass the buffer."""
+        if self.lengths[row] + n_new > self.capacity:
+            raise SpecdecError(
+                f"sequence length {self.lengths[row] + n_new} exceeds the KV cache capacity "
+                f"{self.capacity} (context length {self.max_seq_len})")
+
+    def advance(self, row: int, n: int) -> None:
+        assert n >= 0
+        self.check_fits(row, n)
+        self.lengths[row] += n
+
+    def rollback(self, row: int, n: int) -> None:
+        assert 0 <= n <= self.lengths[row], (n, self.lengths[row])
+        self.lengths[row] -= n
+
+    def set_length(self, row: int, n: int) -> None:
+        assert 0 <= n <= self.capacity
+        self.lengths[row] = n
+
+    def reset(self) -> None:
+        self.lengths = [0] * self.batch_size

@@ -1,0 +1,38 @@
+"""The proposer protocol and its result dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from specdec.engine import Request
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor  # [B, k] int64 draft tokens, padded past num_draft[b] with 0
+    num_draft: torch.Tensor  # [B] int64, number of real drafts per row (<= k)
+    q: torch.Tensor | None  # [B, k, V] draft distributions, or None: one-hot on the tokens
+
+
+class Proposer(Protocol):
+    """A source of draft tokens.
+
+    The engine calls `begin` once per request, `propose` once per round with the requests of
+    the batch and how many tokens each may draft, `accept` after verification with how many of
+    the row's drafts were accepted (the request's committed tokens are already updated), and
+    `release` when the request ends. A proposer never reads or moves the target's cache.
+    """
+
+    name: str
+
+    def begin(self, req: "Request") -> None: ...
+
+    def propose(self, reqs: list["Request"], ks: list[int]) -> Proposal: ...
+
+    def accept(self, req: "Request", n_accepted: int) -> None: ...
+
+    def release(self, req: "Request") -> None: ...

@@ -1,0 +1,127 @@
+"""Draft-model proposer: a smaller model with the target's tokenizer and its own KV cache.
+
+Cache bookkeeping per request (L = committed length at the start of a round):
+  - before `propose`, the draft has KV for the first `kv_len` committed tokens; it feeds
+    committed[kv_len:L] (the whole prompt on the first round, then 1 token, or 2 after a fully
+    accepted round: the last draft and the bonus), then its own drafts d_1..d_{k-1};
+  - it never feeds d_k: if d_k is accepted its KV is computed as catch-up next round;
+  - `accept(n)` keeps KV for committed[:L] + d_1..d_min(n, k-1): rollback is arithmetic.
+q is computed with the same transform chain as the target's p (specdec.sampling), on each
+draft position's own prefix for penalties.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from specdec import sampling
+from specdec.proposers.base import Proposal
+
+
+class DraftModelProposer:
+    name = "draft"
+
+    def __init__(self, model, vocab_size: int, max_seq_len: int,
+                 draft_sampling: str = "probabilistic", headroom: int = 33):
+        self.model = model
+        self.V = vocab_size  # the real (tokenizer) vocabulary shared with the target
+        self.max_seq_len, self.headroom = max_seq_len, headroom
+        self.cache = model.new_cache(1, max_seq_len, headroom=headroom)
+        self.draft_sampling = draft_sampling
+        self.forward_time = 0.0
+        self.forwards = 0
+        self._last_k: dict[int, int] = {}
+        self._L: dict[int, int] = {}
+
+    def reserve(self, n_rows: int) -> None:
+        if n_rows > self.cache.batch_size:
+            self.cache = self.model.new_cache(n_rows, self.max_seq_len, headroom=self.headroom)
+
+    def begin(self, req) -> None:
+        self.cache.set_length(req.row, 0)
+
+    def release(self, req) -> None:
+        self.cache.set_length(req.row, 0)
+
+    def _forward(self, tokens, positions, rows):
+        t0 = time.perf_counter()
+        logits = self.model.forward(tokens, positions, self.cache, rows=rows)
+        self.forward_time += time.perf_counter() - t0
+        self.forwards += 1
+        return logits[..., : self.V]
+
+    @torch.inference_mode()
+    def propose(self, reqs, ks: list[int]) -> Proposal:
+        B, k = len(reqs), max(ks)
+        dev = self.model.device
+        rows = [r.row for r in reqs]
+        rows = None if rows == list(range(B)) else torch.tensor(rows, device=dev)
+        drafts = torch.zeros(B, k, dtype=torch.long, device=dev)
+        q_all = torch.zeros(B, k, self.V, device=dev) if self._needs_q(reqs) else None
+        # Catch-up: feed committed tokens this draft has no KV for (ragged: pad at the end).
+        feeds = [r.tokens[self.cache.lengths[r.row]:] for r in reqs]
+        T = max(len(f) for f in feeds)
+        tok = torch.zeros(B, T, dtype=torch.long)
+        pos = torch.zeros(B, T, dtype=torch.long)
+        for b, (r, f) in enumerate(zip(reqs, feeds)):
+            start = self.cache.lengths[r.row]
+            tok[b, : len(f)] = torch.tensor(f)
+            # pads sit past the row's history; clamp keeps them inside the buffer (stale slots)
+            pos[b] = torch.arange(start, start + T).clamp(max=self.cache.capacity - 1)
+        logits = self._forward(tok.to(dev), pos.to(dev), rows)
+        last = torch.tensor([len(f) - 1 for f in feeds], device=dev)
+        cur = logits[torch.arange(B, device=dev), last]  # [B, V]
+        L = [len(r.tokens) for r in reqs]
+        for b, r in enumerate(reqs):
+            self.cache.set_length(r.row, L[b])
+            self._L[r.row] = L[b]
+            self._last_k[r.row] = ks[b]
+        counts = [r.penalty_state() for r in reqs]
+        for i in range(k):
+            d, q = self._sample(cur, reqs, counts, i)
+            drafts[:, i] = d
+            if q_all is not None:
+                q_all[:, i] = q
+            if i + 1 < k:
+                for b in range(B):
+                    if counts[b] is not None:
+                        counts[b] = sampling.prefix_counts(counts[b][0], counts[b][1], d[b:b + 1])
+                        counts[b] = (counts[b][0][1], counts[b][1][1])
+                positions = torch.tensor([[L[b] + i] for b in range(B)], device=dev)
+                cur = self._forward(d.view(B, 1), positions, rows)[:, 0]
+        for b, r in enumerate(reqs):  # KV now covers committed + d_1..d_{k-1} (where fed)
+            self.cache.set_length(r.row, L[b] + max(min(ks[b], k) - 1, 0) if k else L[b])
+        num_draft = torch.tensor(ks, dtype=torch.long, device=dev)
+        return Proposal(tokens=drafts, num_draft=num_draft, q=q_all)
+
+    def _needs_q(self, reqs) -> bool:
+        return self.draft_sampling == "probabilistic" and any(not r.params.greedy for r in reqs)
+
+    def _sample(self, logits, reqs, counts, i):
+        """Draft token [B] and its distribution q [B, V] (None entries mean one-hot)."""
+        B = logits.shape[0]
+        d = torch.zeros(B, dtype=torch.long, device=logits.device)
+        q = torch.zeros(B, self.V, device=logits.device) if self._needs_q(reqs) else None
+        for b, r in enumerate(reqs):
+            c, s = counts[b] if counts[b] is not None else (None, None)
+            c = None if c is None else c.unsqueeze(0)
+            s = None if s is None else s.unsqueeze(0)
+            row_logits = logits[b:b + 1]
+            if r.params.greedy:
+                d[b] = sampling.greedy_tokens(row_logits, r.params, c, s)[0]
+            elif self.draft_sampling == "greedy":
+                d[b] = sampling.filter_logits(
+                    sampling.apply_penalties(row_logits.float(), r.params, c, s), r.params).argmax(-1)[0]
+            else:
+                probs = sampling.probabilities(row_logits, r.params, c, s)
+                d[b] = r.rng.categorical(probs)[0]
+                q[b] = probs[0]
+        return d, q
+
+    def accept(self, req, n_accepted: int) -> None:
+        """Keep KV for committed[:L] + the accepted drafts that were fed (at most k - 1)."""
+        L, k = self._L[req.row], self._last_k[req.row]
+        keep = L + min(n_accepted, max(k - 1, 0))
+        self.cache.set_length(req.row, min(keep, len(req.tokens)))

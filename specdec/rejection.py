@@ -1,0 +1,160 @@
+"""Verification of draft tokens: greedy and stochastic (modified rejection sampling).
+
+Vocabulary, used everywhere in specdec:
+  - draft tokens d_1..d_k: what the proposer proposed; q_i is the draft distribution d_i was
+    sampled from (None = one-hot: token-only proposers or a greedily sampled draft).
+  - target distributions p_1..p_{k+1}: p_i is conditioned on the history plus d_1..d_{i-1};
+    all k + 1 come from one target forward.
+  - accepted: d_i passed verification and every d_j before it did too.
+  - recovered: the token emitted at the first rejected position i, sampled from
+    normalise([p_i - q_i]+) (greedy: the argmax of p_i).
+  - bonus: the token sampled from p_{k+1} when all k drafts were accepted.
+A round emits its accepted tokens plus exactly one recovered or bonus token.
+
+Outputs are [B, k + 1] token ids padded with PLACEHOLDER, plus the count emitted per row. Rows
+may have ragged draft lengths (`num_draft` [B]); row b's bonus comes from p[b, num_draft[b]].
+
+Randomness comes from an `Rng` with two methods, `bernoulli(probs) -> bool` and
+`categorical(probs [N, V]) -> [N]`, so tests can replace it (a seeded generator, or one that
+enumerates every branch with its probability for exact distribution tests).
+"""
+
+from __future__ import annotations
+
+import torch
+
+PLACEHOLDER = -1
+
+
+class TorchRng:
+    """Seeded randomness for verification and sampling."""
+
+    def __init__(self, seed: int | None = None, device="cpu"):
+        self.gen = torch.Generator(device=device)
+        if seed is None:
+            self.gen.seed()
+        else:
+            self.gen.manual_seed(seed)
+
+    def bernoulli(self, probs: torch.Tensor) -> torch.Tensor:
+        return torch.rand(probs.shape, generator=self.gen, device=probs.device, dtype=torch.float64) < probs
+
+    def categorical(self, probs: torch.Tensor) -> torch.Tensor:
+        return torch.multinomial(probs.float(), 1, generator=self.gen).squeeze(-1)
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor | None, draft: torch.Tensor) -> torch.Tensor:
+    """normalise([p - q]+) over the last dim; p [N, V], q [N, V] or None (one-hot on draft [N]).
+
+    If the residual has zero mass (p == q up to rounding, so rejection had probability ~0), fall
+    back to p: any distribution is correct there, and p keeps the sampler well defined.
+    """
+    if q is None:
+        r = p.clone()
+        r.scatter_(-1, draft.unsqueeze(-1), 0.0)
+    else:
+        r = (p - q).clamp_min(0.0)
+    mass = r.sum(-1, keepdim=True)
+    return torch.where(mass > 0, r / mass.clamp_min(torch.finfo(r.dtype).tiny), p)
+
+
+def acceptance_probs(p: torch.Tensor, q: torch.Tensor | None, draft: torch.Tensor) -> torch.Tensor:
+    """min(1, p(d) / q(d)); p [B, k, V], q [B, k, V] or None, draft [B, k] -> [B, k] float64."""
+    p_d = p.gather(-1, draft.unsqueeze(-1)).squeeze(-1).double()
+    if q is None:
+        return p_d.clamp(max=1.0)
+    q_d = q.gather(-1, draft.unsqueeze(-1)).squeeze(-1).double()
+    # q_d > 0 always: d was sampled from q. Guard anyway so a bad q cannot make NaN.
+    return torch.where(q_d > 0, (p_d / q_d.clamp_min(1e-300)).clamp(max=1.0), torch.zeros_like(p_d))
+
+
+def _emit(draft: torch.Tensor, n_accepted: torch.Tensor, last: torch.Tensor):
+    """Build out [B, k + 1]: accepted drafts, then `last` at index n_accepted, then PLACEHOLDER."""
+    B, k = draft.shape
+    idx = torch.arange(k + 1, device=draft.device).unsqueeze(0)
+    out = torch.full((B, k + 1), PLACEHOLDER, dtype=torch.long, device=draft.device)
+    out[:, :k] = torch.where(idx[:, :k] < n_accepted.unsqueeze(1), draft, PLACEHOLDER)
+    out.scatter_(1, n_accepted.unsqueeze(1), last.unsqueeze(1))
+    return out, n_accepted + 1
+
+
+def _first_false(ok: torch.Tensor, num_draft: torch.Tensor) -> torch.Tensor:
+    """Number of leading True values of ok [B, k], counting only the first num_draft[b]."""
+    k = ok.shape[1]
+    valid = torch.arange(k, device=ok.device).unsqueeze(0) < num_draft.unsqueeze(1)
+    run = (ok & valid).long().cumprod(1)
+    return run.sum(1)
+
+
+def greedy_verify(target_argmax: torch.Tensor, draft: torch.Tensor, num_draft: torch.Tensor):
+    """target_argmax [B, k + 1], draft [B, k], num_draft [B] -> (out [B, k + 1], num_emitted [B])."""
+    n_acc = _first_false(target_argmax[:, :-1] == draft, num_draft)
+    last = target_argmax.gather(1, n_acc.unsqueeze(1)).squeeze(1)  # recovered or bonus
+    return _emit(draft, n_acc, last)
+
+
+def stochastic_verify(p: torch.Tensor, q: torch.Tensor | None, draft: torch.Tensor,
+                      num_draft: torch.Tensor, rng) -> tuple[torch.Tensor, torch.Tensor]:
+    """p [B, k + 1, V], q [B, k, V] or None (one-hot), draft [B, k], num_draft [B].
+
+    Returns (out [B, k + 1], num_emitted [B]).
+    """
+    B, k = draft.shape
+    if k == 0:
+        return _emit(draft, torch.zeros(B, dtype=torch.long, device=p.device), rng.categorical(p[:, 0]))
+    accepted = rng.bernoulli(acceptance_probs(p[:, :k], q, draft))  # [B, k]
+    n_acc = _first_false(accepted, num_draft)  # [B]
+    rows = torch.arange(B, device=p.device)
+    p_at = p[rows, n_acc]  # [B, V]: p at the first rejected position, or p_{k+1} for the bonus
+    rejected = n_acc < num_draft  # [B]
+    at = n_acc.clamp(max=k - 1)
+    d_at = draft[rows, at]
+    q_at = None if q is None else q[rows, at]
+    final = torch.where(rejected.unsqueeze(1), residual_distribution(p_at, q_at, d_at), p_at)
+    return _emit(draft, n_acc, rng.categorical(final))
+
+
+def stochastic_verify_reference(p, q, draft, num_draft, rng):
+    """Loop-based reference of `stochastic_verify`; draws the same randomness in the same shapes."""
+    B, k = draft.shape
+    if k == 0:
+        return stochastic_verify(p, q, draft, num_draft, rng)
+    acc_prob = torch.zeros(B, k, dtype=torch.float64)
+    for b in range(B):
+        for i in range(k):
+            d = int(draft[b, i])
+            pd = float(p[b, i, d])
+            qd = 1.0 if q is None else float(q[b, i, d])
+            acc_prob[b, i] = min(1.0, pd / qd) if qd > 0 else 0.0
+    accepted = rng.bernoulli(acc_prob)
+    final = torch.zeros(B, p.shape[-1], dtype=p.dtype)
+    n_acc_list = []
+    for b in range(B):
+        n = 0
+        while n < int(num_draft[b]) and bool(accepted[b, n]):
+            n += 1
+        n_acc_list.append(n)
+        if n < int(num_draft[b]):  # rejected at n: residual
+            d = int(draft[b, n])
+            res = [max(float(p[b, n, x]) - (float(x == d) if q is None else float(q[b, n, x])), 0.0)
+                   for x in range(p.shape[-1])]
+            mass = sum(res)
+            final[b] = torch.tensor([r / mass for r in res]) if mass > 0 else p[b, n]
+        else:
+            final[b] = p[b, n]
+    last = rng.categorical(final)
+    return _emit(draft, torch.tensor(n_acc_list), last)
+
+
+def greedy_verify_reference(target_argmax, draft, num_draft):
+    B, k = draft.shape
+    out = torch.full((B, k + 1), PLACEHOLDER, dtype=torch.long)
+    n_out = torch.zeros(B, dtype=torch.long)
+    for b in range(B):
+        i = 0
+        while i < int(num_draft[b]) and int(draft[b, i]) == int(target_argmax[b, i]):
+            out[b, i] = draft[b, i]
+            i += 1
+        out[b, i] = target_argmax[b, i]
+        n_out[b] = i + 1
+    return out, n_out

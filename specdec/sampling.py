@@ -1,0 +1,84 @@
+"""Logits -> sampling distributions: penalties, temperature, top-k, top-p, min-p.
+
+Pure functions on tensors. The same chain turns target logits into p and draft logits into q, at
+every position, so that speculative verification compares the distributions that sampling
+actually uses (PITFALLS 1). Order: penalties -> temperature -> top-k -> top-p -> min-p.
+
+Penalties see each position's own prefix: `counts` [N, V] holds, for the row being scored, how
+often each token occurs in the generated output before that position (drafts included), and
+`seen` [N, V] whether it occurs anywhere in prompt + output before it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.config import SamplingParams
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor | None,
+                    seen: torch.Tensor | None) -> torch.Tensor:
+    """logits [N, V]; counts [N, V] float (output tokens); seen [N, V] bool (prompt + output)."""
+    if not params.has_penalties:
+        return logits
+    logits = logits.clone()
+    if params.repetition_penalty != 1.0 and seen is not None:
+        r = params.repetition_penalty
+        penalised = torch.where(logits > 0, logits / r, logits * r)
+        logits = torch.where(seen, penalised, logits)
+    if counts is not None:
+        if params.frequency_penalty:
+            logits -= params.frequency_penalty * counts
+        if params.presence_penalty:
+            logits -= params.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p on logits [N, V] (temperature > 0); removed -> -inf."""
+    assert params.temperature > 0
+    logits = logits / params.temperature
+    V = logits.shape[-1]
+    if 0 < params.top_k < V:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [N, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs  # mass of strictly better tokens
+        remove_sorted = mass_before >= params.top_p  # keep the smallest prefix reaching top_p
+        remove_sorted[..., 0] = False
+        remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
+        logits = logits.masked_fill(remove, float("-inf"))
+    if params.min_p > 0.0:
+        probs = logits.softmax(-1)
+        threshold = params.min_p * probs.amax(-1, keepdim=True)
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams, counts=None, seen=None) -> torch.Tensor:
+    """The sampling distribution [N, V] (float64-normalised fp32 softmax) for temperature > 0."""
+    logits = filter_logits(apply_penalties(logits.float(), params, counts, seen), params)
+    return logits.softmax(-1)
+
+
+def greedy_tokens(logits: torch.Tensor, params: SamplingParams, counts=None, seen=None) -> torch.Tensor:
+    """argmax [N] of the penalised logits [N, V] (temperature == 0)."""
+    return apply_penalties(logits.float(), params, counts, seen).argmax(-1)
+
+
+def prefix_counts(base_counts: torch.Tensor, base_seen: torch.Tensor, tokens: torch.Tensor):
+    """Penalty state at each of T+1 positions when `tokens` [T] are appended one by one.
+
+    base_counts [V] float, base_seen [V] bool -> counts [T + 1, V], seen [T + 1, V]: position i
+    sees tokens[:i] on top of the base state (PITFALLS 7: per accepted token, drafts included).
+    """
+    T = tokens.shape[0]
+    V = base_counts.shape[0]
+    onehot = torch.zeros(T + 1, V, dtype=base_counts.dtype, device=base_counts.device)
+    if T:
+        onehot[1:].scatter_(1, tokens.view(T, 1), 1.0)
+    counts = base_counts.unsqueeze(0) + onehot.cumsum(0)
+    seen = base_seen.unsqueeze(0) | (counts > base_counts.unsqueeze(0))
+    return counts, seen

@@ -1,0 +1,202 @@
+"""Checkpoint loading: GGUF files and Hugging Face directories, and the conversion cache.
+
+A GGUF is dequantised to fp32 through the `gguf` package, its tensor names are mapped to Hugging
+Face names (undoing llama.cpp's q/k row permutation for the llama architecture), its tokenizer is
+rebuilt from the metadata (via transformers' GGUF converter), and the result is written once as a
+Hugging Face-style directory under `$SPECDEC_CACHE/converted/` (config.json, model.safetensors,
+tokenizer.json, tokenizer_config.json). Later loads read that directory, which takes well under a
+second for SmolLM2-135M. Every user-visible failure is a one-line `SpecdecError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specdec.config import ModelArgs
+from specdec.errors import SpecdecError
+
+SUPPORTED_ARCHS = ("llama", "qwen2")
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+CONVERSION_VERSION = 1  # bump when the converted layout changes
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec")).expanduser()
+
+
+def _gguf_name_to_hf(name: str) -> str | None:
+    top = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+           "output.weight": "lm_head.weight"}
+    if name in top:
+        return top[name]
+    if not name.startswith("blk."):
+        return None  # e.g. rope_freqs: not used for plain RoPE
+    _, layer, rest = name.split(".", 2)
+    sub = {
+        "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+        "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+        "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+        "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+        "attn_v.bias": "self_attn.v_proj.bias",
+        "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+        "ffn_down.weight": "mlp.down_proj.weight",
+    }.get(rest)
+    return None if sub is None else f"model.layers.{layer}.{sub}"
+
+
+def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's convert-time permutation of q/k rows (interleaved -> rotate-half RoPE)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _open_gguf(path: Path):
+    from gguf import GGUFReader
+
+    if not path.is_file():
+        raise SpecdecError(f"model file not found: {path}")
+    try:
+        return GGUFReader(str(path))
+    except Exception as e:  # the gguf package raises ValueError/struct errors on bad files
+        raise SpecdecError(f"cannot read GGUF {path}: corrupt or truncated file ({type(e).__name__}: {e})") from None
+
+
+def _field(reader, key, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def read_gguf(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
+    """Dequantise a GGUF into (ModelArgs, fp32 state dict with Hugging Face names)."""
+    from gguf.quants import dequantize
+
+    reader = _open_gguf(path)
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise SpecdecError(f"unsupported architecture {arch!r} in {path}; supported: {', '.join(SUPPORTED_ARCHS)}")
+    g = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
+    n_heads = int(g("attention.head_count"))
+    n_kv = int(g("attention.head_count_kv", n_heads))
+    dim = int(g("embedding_length"))
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise SpecdecError(f"GGUF {path} has no token_embd.weight tensor: not a language model")
+    vocab = int(tensors["token_embd.weight"].shape[1])
+    args = ModelArgs(
+        arch=arch, vocab_size=vocab, dim=dim, n_layers=int(g("block_count")), n_heads=n_heads,
+        n_kv_heads=n_kv, head_dim=int(g("rope.dimension_count", dim // n_heads)),
+        intermediate_size=int(g("feed_forward_length")), rope_theta=float(g("rope.freq_base", 10000.0)),
+        norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+        max_seq_len=int(g("context_length", 2048)), tie_embeddings="output.weight" not in tensors,
+        qkv_bias="blk.0.attn_q.bias" in tensors,
+    )
+    state = {}
+    for name, t in tensors.items():
+        hf = _gguf_name_to_hf(name)
+        if hf is None:
+            continue
+        if t.tensor_type.name not in SUPPORTED_TYPES:
+            raise SpecdecError(f"unsupported tensor type {t.tensor_type.name} for {name} in {path}; "
+                               f"supported: {', '.join(SUPPORTED_TYPES)}")
+        try:
+            w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        except Exception as e:
+            raise SpecdecError(f"cannot dequantise {name} ({t.tensor_type.name}) in {path}: "
+                               f"corrupt or truncated file ({e})") from None
+        w = w.reshape(tuple(int(s) for s in reversed(t.shape)))
+        if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+            w = _unpermute(w, n_heads if "attn_q" in name else n_kv)
+        state[hf] = torch.from_numpy(np.ascontiguousarray(w))
+    return args, state
+
+
+def _gguf_tokenizer(path: Path, out_dir: Path) -> None:
+    """Rebuild the tokenizer (and chat template) from GGUF metadata into out_dir."""
+    import logging
+    import warnings
+
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tok.save_pretrained(str(out_dir))
+
+
+def _conversion_key(path: Path) -> str:
+    st = path.stat()
+    h = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{CONVERSION_VERSION}".encode())
+    return f"{path.stem}-{h.hexdigest()[:12]}"
+
+
+def convert_gguf(path: Path, progress=None) -> Path:
+    """Convert a GGUF into a cached HF-style directory (once) and return that directory."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecdecError(f"model file not found: {path}")
+    out = cache_root() / "converted" / _conversion_key(path)
+    if (out / "DONE").exists():
+        return out
+    from safetensors.torch import save_file
+
+    if progress:
+        progress(f"converting {path.name} to {out} (once)")
+    args, state = read_gguf(path)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(state, str(tmp / "model.safetensors"))
+    (tmp / "config.json").write_text(json.dumps(args.to_hf_config(), indent=1))
+    _gguf_tokenizer(path, tmp)
+    (tmp / "DONE").write_text(str(path.resolve()))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def load_hf_dir(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise SpecdecError(f"model directory {path} has no config.json")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise SpecdecError(f"{cfg_file} is not valid JSON ({e})") from None
+    args = ModelArgs.from_hf_config(cfg)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise SpecdecError(f"model directory {path} has no *.safetensors files")
+    state = {}
+    for f in files:
+        try:
+            state.update(load_file(str(f)))
+        except Exception as e:
+            raise SpecdecError(f"cannot read {f}: corrupt or truncated file ({e})") from None
+    return args, state
+
+
+def resolve_checkpoint(path: Path, progress=None) -> Path:
+    """A GGUF file or an HF directory -> an HF-style directory we can load quickly."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        return path
+    if not path.exists():
+        raise SpecdecError(f"model file not found: {path}")
+    if path.suffix.lower() != ".gguf":
+        raise SpecdecError(f"unsupported model file {path}: expected a .gguf file or a Hugging Face directory")
+    return convert_gguf(path, progress)
