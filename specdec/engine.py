@@ -138,19 +138,26 @@ class Engine:
 
     # ---- the round -------------------------------------------------------------------------
     def _prefill(self, reqs: list[Request]) -> None:
-        """Give the target KV for every committed token but the last."""
+        """Give the target KV for every committed token but the last (one padded forward)."""
+        todo = [r for r in reqs if len(r.tokens) - 1 > self.cache.lengths[r.row]]
+        if not todo:
+            return
         dev = self.model.device
-        for r in reqs:
-            n = len(r.tokens) - 1 - self.cache.lengths[r.row]
-            if n <= 0:
-                continue
-            t0 = time.perf_counter()
-            start = self.cache.lengths[r.row]
-            tok = torch.tensor([r.tokens[start:start + n]], device=dev)
-            pos = torch.arange(start, start + n, device=dev).view(1, n)
-            self.model.forward(tok, pos, self.cache, rows=torch.tensor([r.row], device=dev))
+        t0 = time.perf_counter()
+        starts = [self.cache.lengths[r.row] for r in todo]
+        ns = [len(r.tokens) - 1 - s for r, s in zip(todo, starts)]
+        T = max(ns)
+        tok = torch.zeros(len(todo), T, dtype=torch.long)
+        pos = torch.zeros(len(todo), T, dtype=torch.long)
+        for b, (r, s, n) in enumerate(zip(todo, starts, ns)):
+            tok[b, :n] = torch.tensor(r.tokens[s:s + n])
+            # pads go past the row's history (stale slots); clamp keeps them inside the buffer
+            pos[b] = torch.arange(s, s + T).clamp(max=self.cache.capacity - 1)
+        self.model.forward(tok.to(dev), pos.to(dev), self.cache, rows=self._rows_arg(todo))
+        dt = time.perf_counter() - t0
+        for r, n in zip(todo, ns):
             self.cache.advance(r.row, n)
-            r.prefill_time += time.perf_counter() - t0
+            r.prefill_time += dt
 
     def _budget(self, r: Request) -> int:
         """Draft tokens worth proposing: a round emits at most k + 1 tokens."""

@@ -6,11 +6,6 @@
 // once, kept in registers/L1, and applied to all M rows, so the cost of M rows
 // stays close to the cost of one row until the FMA units become the limit.
 //
-// Two tile implementations over the same layout: AVX2+FMA (baseline, what the
-// build flags require) and AVX-512 (compiled via a target pragma, picked at
-// runtime when the CPU has it: twice the FMA width keeps M ~ 5..16 closer to
-// memory-bound).  Both compute exactly the same FMA chains.
-//
 // Layout (done by prepare_weight in __init__.py, not here):
 //   W is padded to Np = ceil(N / NR) * NR rows with zeros and packed into
 //   panels [Np / NR][K][NR], so one k-step of one panel is NR contiguous
@@ -19,12 +14,23 @@
 //   (element 2j = feature j, element 2j+1 = feature 8+j), so that one 32-bit
 //   lane holds two bf16 values and widening is one shift + one AND, no shuffles.
 //
+// Work split: threads take contiguous runs of two-panel units (OpenMP static
+// schedule); for each unit, K is walked in chunks of KC, and inside a chunk
+// every row group runs a register tile (accumulators in registers, weights
+// broadcast-multiplied against x[m, k]).  Only the first row group streams
+// the chunk from memory; later groups find it in L1.
+//
+// Two tile implementations over the same layout: AVX2+FMA (the baseline the
+// build flags require) and AVX-512 (compiled via a target pragma and used only
+// when the CPU reports it at runtime: twice the FMA width keeps M ~ 5..16
+// closer to memory-bound).  Both compute exactly the same FMA chains.
+//
 // Batch invariance: every output element is an FMA chain over k = 0..K-1 in
 // order, starting from 0.0f, then "+ bias".  Neither the row grouping (which
-// depends on M), the K-chunking (accumulators are spilled/reloaded exactly),
-// nor the thread split (threads own whole panels; K is never split) changes
-// that order, so row m of an M-row call is bit-identical to the same row
-// computed alone.
+// depends on M), the K-chunking (accumulators are stored/reloaded exactly),
+// the thread split (threads own whole panels; K is never split) nor the ISA
+// changes that order, so row m of an M-row call is bit-identical to the same
+// row computed alone, with any thread count, on either code path.
 
 #include <torch/extension.h>
 
@@ -38,36 +44,23 @@
 
 namespace {
 
-constexpr int NR = 16;  // output features per panel (one zmm / two ymm);
-                        // must match NR in __init__.py
-#ifndef SPECDEC_KC
-#define SPECDEC_KC 256
-#endif
-#ifndef SPECDEC_PF
-#define SPECDEC_PF 16
-#endif
-// k-chunk: a chunk of the panel(s) (<= 2 * 256 * 64 B = 32 KiB fp32) plus the x
-// chunk (<= 16 * 256 * 4 B = 16 KiB) stay in L1/L2 while every row group of
-// the call reuses them; only the first group streams them from memory.
-constexpr int KC = SPECDEC_KC;
-constexpr int PF_BYTES = SPECDEC_PF * 64;  // software prefetch distance
+constexpr int NR = 16;   // output features per panel (one zmm / two ymm);
+                         // must match NR in __init__.py
+constexpr int UNIT = 2;  // panels per unit of thread work
+// k-chunk: the unit's chunk (<= 2 * 256 * 64 B = 32 KiB fp32) plus the x chunk
+// (<= 16 * 256 * 4 B = 16 KiB) stay in L1/L2 while every row group reuses them.
+constexpr int KC = 256;
+// Software prefetch distance per panel stream (two streams per thread).
+// Measured on the dev box: 4 KiB ahead beats the hardware prefetcher alone by
+// ~5-15% at M = 1 and by ~1.5x at M >= 5, when the core is also busy with FMAs.
+constexpr int PF_BYTES = 4096;
 
-// Rows are split into near-equal groups of <= mr (e.g. mr=6: 7 -> 4+3,
-// 16 -> 6+5+5) because a lone 1-row tile would be FMA-latency-bound.
-// Grouping never changes a row's accumulation order, only its registers.
-inline std::vector<int64_t> row_groups(int64_t M, int mr) {
-  const int64_t ng = (M + mr - 1) / mr;
-  std::vector<int64_t> start(ng + 1);
-  for (int64_t g = 0; g <= ng; ++g) start[g] = g * M / ng;
-  return start;
-}
-
-// Arguments of one register tile: `np` panels x `r` rows over `kc` k-steps.
+// Arguments of one register tile over `kc` k-steps of the unit's panels.
 //   wp:  first panel, offset to the chunk start; panel q is at wp + q * wps
-//   x:   first row of the group, offset to the chunk start; row stride ldx
-//   acc: [np][M][NR] running sums for this unit, offset to the group's first
-//        row; panel q's rows at acc + q * accs.  Loaded, updated, stored back
-//        (exact in fp32, so K-chunking does not change any result).
+//   x:   first row of the tile, offset to the chunk start; row stride ldx
+//   acc: [np][M][NR] running sums of the unit, offset to the tile's first row;
+//        panel q's rows at acc + q * accs.  Loaded, updated and stored back
+//        around each chunk (exact in fp32, so chunking changes no result).
 template <class T>
 struct TileArgs {
   const T* wp;
@@ -77,14 +70,30 @@ struct TileArgs {
   int kc;
   float* acc;
   int64_t accs;
+
+  TileArgs rows_from(int64_t m0) const {  // the same tile, starting at row m0
+    return {wp, wps, x + m0 * ldx, ldx, kc, acc + m0 * NR, accs};
+  }
+  TileArgs panel(int q) const {  // panel q of the unit alone
+    return {wp + q * wps, wps, x, ldx, kc, acc + q * accs, accs};
+  }
 };
 
-// ============================ AVX2 + FMA ====================================
-// Unit of work = one panel = two ymm of features; <= 6 rows per tile:
-// 6 x 2 = 12 accumulators + 2 weights + 1 broadcast = 15 of 16 ymm.
-namespace avx2 {
+// Splits M rows into near-equal groups of <= mr and calls tile(r, args, first)
+// per group.  Near-equal (16 -> 6+5+5, not 6+6+4; 7 -> 4+3, not 6+1) because
+// a lone small group is FMA-latency-bound.  Grouping never changes a row's
+// accumulation order, only which registers it lives in.
+template <class T, class F>
+inline void for_row_groups(int64_t M, int mr, const TileArgs<T>& a, F tile) {
+  const int64_t ng = (M + mr - 1) / mr;
+  for (int64_t g = 0; g < ng; ++g) {
+    const int64_t m0 = g * M / ng, m1 = (g + 1) * M / ng;
+    tile(static_cast<int>(m1 - m0), a.rows_from(m0), g == 0);
+  }
+}
 
-constexpr int UNIT = 1, MR = 6;
+// ============================ AVX2 + FMA ====================================
+namespace avx2 {
 
 struct F32 {
   using T = float;
@@ -107,66 +116,78 @@ struct BF16 {
   }
 };
 
-template <int R, class W, bool PF>
+// R rows x NP panels (2 ymm each).  Register budget (16 ymm): R*NP*2
+// accumulators + 2 weights + 1 broadcast (+ bf16 temp), so R*NP <= 6.
+template <int R, int NP, class W, bool PF>
 inline void tile(const TileArgs<typename W::T>& a) {
-  __m256 c[R][2];
+  __m256 c[R][NP][2];
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    c[r][0] = _mm256_loadu_ps(a.acc + r * NR);
-    c[r][1] = _mm256_loadu_ps(a.acc + r * NR + 8);
-  }
-  const float* x = a.x;
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int q = 0; q < NP; ++q) {
+      c[r][q][0] = _mm256_loadu_ps(a.acc + q * a.accs + r * NR);
+      c[r][q][1] = _mm256_loadu_ps(a.acc + q * a.accs + r * NR + 8);
+    }
   for (int k = 0; k < a.kc; ++k) {
-    const typename W::T* wk = a.wp + static_cast<int64_t>(k) * NR;
-    // fp32: one line per k-step; bf16: one per two (the repeat is cheap).
-    if (PF) _mm_prefetch(reinterpret_cast<const char*>(wk) + PF_BYTES, _MM_HINT_T0);
-    __m256 w0, w1;
-    W::load(wk, w0, w1);
+#pragma GCC unroll 2
+    for (int q = 0; q < NP; ++q) {
+      const typename W::T* wk = a.wp + q * a.wps + static_cast<int64_t>(k) * NR;
+      // fp32: one line per k-step; bf16: one per two (the repeat is cheap).
+      if (PF) _mm_prefetch(reinterpret_cast<const char*>(wk) + PF_BYTES, _MM_HINT_T0);
+      __m256 w0, w1;
+      W::load(wk, w0, w1);
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m256 b = _mm256_broadcast_ss(x + r * a.ldx + k);
-      c[r][0] = _mm256_fmadd_ps(b, w0, c[r][0]);
-      c[r][1] = _mm256_fmadd_ps(b, w1, c[r][1]);
+      for (int r = 0; r < R; ++r) {
+        const __m256 b = _mm256_broadcast_ss(a.x + r * a.ldx + k);
+        c[r][q][0] = _mm256_fmadd_ps(b, w0, c[r][q][0]);
+        c[r][q][1] = _mm256_fmadd_ps(b, w1, c[r][q][1]);
+      }
     }
   }
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(a.acc + r * NR, c[r][0]);
-    _mm256_storeu_ps(a.acc + r * NR + 8, c[r][1]);
-  }
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int q = 0; q < NP; ++q) {
+      _mm256_storeu_ps(a.acc + q * a.accs + r * NR, c[r][q][0]);
+      _mm256_storeu_ps(a.acc + q * a.accs + r * NR + 8, c[r][q][1]);
+    }
 }
 
 template <class W, bool PF>
-void tile_rows(int r, const TileArgs<typename W::T>& a) {
+void tile_rows(int r, const TileArgs<typename W::T>& a) {  // one panel, r <= 6 rows
   switch (r) {
-    case 1: tile<1, W, PF>(a); break;
-    case 2: tile<2, W, PF>(a); break;
-    case 3: tile<3, W, PF>(a); break;
-    case 4: tile<4, W, PF>(a); break;
-    case 5: tile<5, W, PF>(a); break;
-    default: tile<6, W, PF>(a); break;
+    case 1: tile<1, 1, W, PF>(a); break;
+    case 2: tile<2, 1, W, PF>(a); break;
+    case 3: tile<3, 1, W, PF>(a); break;
+    case 4: tile<4, 1, W, PF>(a); break;
+    case 5: tile<5, 1, W, PF>(a); break;
+    default: tile<6, 1, W, PF>(a); break;
   }
 }
 
-// np is always 1 here (UNIT = 1).
+// One k-chunk of one unit (np panels) for all M rows.
+//   M <= 2: both panels in one tile (4 or 8 FMA chains).  With one panel,
+//           M = 1 would have only 2 chains, and 2 chains x 4-cycle FMA latency
+//           cannot keep up with a bf16 stream (32 B per k-step).
+//   M >= 3: panel by panel, groups of <= 6 rows (12 accumulators).
 template <class W>
-void run_tile(int r, int /*np*/, bool pf, const TileArgs<typename W::T>& a) {
-  pf ? tile_rows<W, true>(r, a) : tile_rows<W, false>(r, a);
+void chunk(const TileArgs<typename W::T>& a, int64_t M, int np) {
+  if (M <= 2 && np == 2) {
+    M == 1 ? tile<1, 2, W, true>(a) : tile<2, 2, W, true>(a);
+    return;
+  }
+  for (int q = 0; q < np; ++q)
+    for_row_groups(M, 6, a.panel(q), [](int r, const TileArgs<typename W::T>& t, bool first) {
+      first ? tile_rows<W, true>(r, t) : tile_rows<W, false>(r, t);
+    });
 }
 
 }  // namespace avx2
 
 // ============================ AVX-512 =======================================
-// Same packed layout and the same per-element FMA chain as AVX2, so results
-// are bit-identical; twice the FMA width lets M ~ 5..16 stay memory-bound
-// longer.  Unit = two panels (two zmm of features); <= 12 rows per tile:
-// 24 accumulators + 2 weights + broadcast/temps fit in 32 zmm.  Compiled for
-// AVX-512 via the target pragma, used only if the CPU reports it at runtime.
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl")
 namespace avx512 {
-
-constexpr int UNIT = 2, MR = 12;
 
 struct F32 {
   using T = float;
@@ -187,6 +208,8 @@ struct BF16 {
   }
 };
 
+// R rows x NP panels (1 zmm each).  Register budget (32 zmm): R*NP
+// accumulators + NP weights + broadcast/temps, so R*NP <= 24.
 template <int R, int NP, class W, bool PF>
 inline void tile(const TileArgs<typename W::T>& a) {
   __m512 c[R][NP];
@@ -194,7 +217,6 @@ inline void tile(const TileArgs<typename W::T>& a) {
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 2
     for (int q = 0; q < NP; ++q) c[r][q] = _mm512_loadu_ps(a.acc + q * a.accs + r * NR);
-  const float* x = a.x;
   for (int k = 0; k < a.kc; ++k) {
     __m512 w[NP];
 #pragma GCC unroll 2
@@ -205,7 +227,7 @@ inline void tile(const TileArgs<typename W::T>& a) {
     }
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      const __m512 b = _mm512_set1_ps(x[r * a.ldx + k]);
+      const __m512 b = _mm512_set1_ps(a.x[r * a.ldx + k]);
 #pragma GCC unroll 2
       for (int q = 0; q < NP; ++q) c[r][q] = _mm512_fmadd_ps(b, w[q], c[r][q]);
     }
@@ -234,27 +256,30 @@ void tile_rows(int r, const TileArgs<typename W::T>& a) {
   }
 }
 
-// np = 1 only for the last unit when the panel count is odd.
+// One k-chunk of one unit: both panels per tile, groups of <= 12 rows
+// (24 accumulators); M = 1 still has 2 chains of 64-B FMAs, enough to match
+// memory.  np = 1 only for the last unit of an odd panel count.
 template <class W>
-void run_tile(int r, int np, bool pf, const TileArgs<typename W::T>& a) {
-  if (np == 2)
-    pf ? tile_rows<2, W, true>(r, a) : tile_rows<2, W, false>(r, a);
-  else
-    pf ? tile_rows<1, W, true>(r, a) : tile_rows<1, W, false>(r, a);
+void chunk(const TileArgs<typename W::T>& a, int64_t M, int np) {
+  for_row_groups(M, 12, a, [np](int r, const TileArgs<typename W::T>& t, bool first) {
+    if (np == 2)
+      first ? tile_rows<2, W, true>(r, t) : tile_rows<2, W, false>(r, t);
+    else
+      first ? tile_rows<1, W, true>(r, t) : tile_rows<1, W, false>(r, t);
+  });
 }
 
 }  // namespace avx512
 #pragma GCC pop_options
 
-// x: [M, K] contiguous; packed: [P][K][NR]; bias: [N] or nullptr; out: [M, N]
-template <int UNIT, int MR, class T>
-void run(void (*run_tile)(int, int, bool, const TileArgs<T>&), const float* x,
-         int64_t M, int64_t K, const T* packed, int64_t N, const float* bias,
-         float* out, int nthreads) {
+// x: [M, K] contiguous; packed: [P][K][NR]; bias: [N] or nullptr; out: [M, N].
+// chunk: the ISA's per-(unit, k-chunk) routine above.
+template <class T>
+void run(void (*chunk)(const TileArgs<T>&, int64_t, int), const float* x, int64_t M,
+         int64_t K, const T* packed, int64_t N, const float* bias, float* out,
+         int nthreads) {
   const int64_t P = (N + NR - 1) / NR;
   const int64_t units = (P + UNIT - 1) / UNIT;
-  const std::vector<int64_t> gs = row_groups(M, MR);
-  const int64_t ngroups = static_cast<int64_t>(gs.size()) - 1;
 
 #pragma omp parallel num_threads(nthreads)
   {
@@ -271,13 +296,7 @@ void run(void (*run_tile)(int, int, bool, const TileArgs<T>&), const float* x,
       std::memset(acc, 0, sizeof(float) * UNIT * M * NR);
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int kc = static_cast<int>(std::min<int64_t>(KC, K - k0));
-        for (int64_t g = 0; g < ngroups; ++g) {
-          const int64_t m0 = gs[g];
-          const TileArgs<T> a{packed + (p0 * K + k0) * NR, K * NR, x + m0 * K + k0,
-                              K, kc, acc + m0 * NR, M * NR};
-          // Only the first group streams the chunk from memory and prefetches.
-          run_tile(static_cast<int>(gs[g + 1] - m0), np, g == 0, a);
-        }
+        chunk({packed + (p0 * K + k0) * NR, K * NR, x + k0, K, kc, acc, M * NR}, M, np);
       }
       // Epilogue: add bias, store the valid features (last panel may be partial).
       for (int q = 0; q < np; ++q) {
@@ -305,7 +324,7 @@ bool cpu_has_avx512() {
   return ok;
 }
 
-// Instruction set `linear` uses for isa=0 (auto): 512 or 2 (AVX2).
+// Instruction set `linear` uses for isa=0 (auto): 512 (AVX-512) or 2 (AVX2).
 int64_t best_isa() { return cpu_has_avx512() ? 512 : 2; }
 
 // out = x @ W^T (+ bias).  x: [M, K] fp32 contiguous CPU; packed: fp32
@@ -317,8 +336,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed,
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 &&
                   x.dim() == 2 && x.is_contiguous(),
               "x must be a contiguous 2-D fp32 CPU tensor");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == NR &&
-                  packed.is_contiguous(),
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == NR && packed.is_contiguous(),
               "packed weight must be contiguous [P, K, 16]");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(packed.size(1) == K, "K mismatch: x has ", K, ", weight has ",
@@ -333,26 +351,22 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed,
   }
   auto out = torch::empty({M, N}, x.options());
   if (M == 0) return out;
-  const int nt = static_cast<int>(std::max<int64_t>(1, nthreads));
   if (isa == 0) isa = best_isa();
   TORCH_CHECK(isa == 2 || (isa == 512 && cpu_has_avx512()),
               "isa must be 0 (auto), 2 (AVX2) or 512 (AVX-512, if the CPU has it)");
+  const int nt = static_cast<int>(std::max<int64_t>(1, nthreads));
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   if (packed.scalar_type() == torch::kFloat32) {
     const float* wp = packed.data_ptr<float>();
-    if (isa == 512)
-      run<avx512::UNIT, avx512::MR>(&avx512::run_tile<avx512::F32>, xp, M, K, wp, N, bptr, op, nt);
-    else
-      run<avx2::UNIT, avx2::MR>(&avx2::run_tile<avx2::F32>, xp, M, K, wp, N, bptr, op, nt);
+    run<float>(isa == 512 ? &avx512::chunk<avx512::F32> : &avx2::chunk<avx2::F32>, xp, M,
+               K, wp, N, bptr, op, nt);
   } else {
     TORCH_CHECK(packed.scalar_type() == torch::kInt16,
                 "packed weight must be fp32 or int16 (bf16 bits)");
     const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<int16_t>());
-    if (isa == 512)
-      run<avx512::UNIT, avx512::MR>(&avx512::run_tile<avx512::BF16>, xp, M, K, wp, N, bptr, op, nt);
-    else
-      run<avx2::UNIT, avx2::MR>(&avx2::run_tile<avx2::BF16>, xp, M, K, wp, N, bptr, op, nt);
+    run<uint16_t>(isa == 512 ? &avx512::chunk<avx512::BF16> : &avx2::chunk<avx2::BF16>,
+                  xp, M, K, wp, N, bptr, op, nt);
   }
   return out;
 }
@@ -392,7 +406,7 @@ double stream_read(const torch::Tensor& buf, int64_t nthreads) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "specdec few-row weight-streaming linear (AVX2/FMA + OpenMP)";
+  m.doc() = "specdec few-row weight-streaming linear (AVX2/AVX-512 + OpenMP)";
   m.def("linear", &linear, "out[M,N] = x[M,K] @ W^T (+ bias), W prepacked",
         py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("n"),
         py::arg("nthreads"), py::arg("isa") = 0);

@@ -100,24 +100,32 @@ class DraftModelProposer:
         return self.draft_sampling == "probabilistic" and any(not r.params.greedy for r in reqs)
 
     def _sample(self, logits, reqs, counts, i):
-        """Draft token [B] and its distribution q [B, V] (None entries mean one-hot)."""
+        """Draft tokens [B] and their distributions q [B, V] (zeros where q is one-hot).
+
+        Rows that share sampling params and rng are sampled in one call (large test batches)."""
         B = logits.shape[0]
         d = torch.zeros(B, dtype=torch.long, device=logits.device)
         q = torch.zeros(B, self.V, device=logits.device) if self._needs_q(reqs) else None
+        groups: dict[tuple, list[int]] = {}
         for b, r in enumerate(reqs):
-            c, s = counts[b] if counts[b] is not None else (None, None)
-            c = None if c is None else c.unsqueeze(0)
-            s = None if s is None else s.unsqueeze(0)
-            row_logits = logits[b:b + 1]
-            if r.params.greedy:
-                d[b] = sampling.greedy_tokens(row_logits, r.params, c, s)[0]
+            groups.setdefault((id(r.params), id(r.rng)), []).append(b)
+        for idx in groups.values():
+            params, rng = reqs[idx[0]].params, reqs[idx[0]].rng
+            ix = torch.tensor(idx, device=logits.device)
+            c = s = None
+            if params.has_penalties:
+                c = torch.stack([counts[b][0] for b in idx])
+                s = torch.stack([counts[b][1] for b in idx])
+            lg = logits[ix]
+            if params.greedy:
+                d[ix] = sampling.greedy_tokens(lg, params, c, s)
             elif self.draft_sampling == "greedy":
-                d[b] = sampling.filter_logits(
-                    sampling.apply_penalties(row_logits.float(), r.params, c, s), r.params).argmax(-1)[0]
+                d[ix] = sampling.filter_logits(sampling.apply_penalties(lg.float(), params, c, s),
+                                               params).argmax(-1)
             else:
-                probs = sampling.probabilities(row_logits, r.params, c, s)
-                d[b] = r.rng.categorical(probs)[0]
-                q[b] = probs[0]
+                probs = sampling.probabilities(lg, params, c, s)
+                d[ix] = rng.categorical(probs)
+                q[ix] = probs
         return d, q
 
     def accept(self, req, n_accepted: int) -> None:

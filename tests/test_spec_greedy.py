@@ -1,0 +1,77 @@
+"""Greedy speculative output equals plain greedy output, token for token (PITFALLS 2).
+
+No tolerance: every divergence is a bug, or a near-tie we would have to name. The drafts span
+both extremes: the target itself (everything accepted) and a random tiny model with the same
+vocabulary (almost everything rejected), so both the bonus and the recovered paths are used.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from specdec.config import SamplingParams
+from specdec.engine import Engine
+from specdec.proposers import DraftModelProposer
+
+PROMPTS = ["Write a Python function that checks if a number is prime.",
+           "What is the tallest mountain in the world?",
+           "Name three colours."]
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(smollm2):
+    model, tok = smollm2
+    engine = Engine(model, tok, max_seq_len=512)
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    ids = [tok.encode_prompt(p) for p in PROMPTS]
+    return ids, [r.output for r in engine.generate(ids, params)]
+
+
+def _spec_engine(target, tok, draft, k):
+    V = tok.vocab_size
+    return Engine(target, tok, DraftModelProposer(draft, V, 512), num_draft_tokens=k, max_seq_len=512,
+                  max_batch=4)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5, 8])
+def test_self_draft_everything_accepted(smollm2, plain_outputs, k):
+    model, tok = smollm2
+    ids, plain = plain_outputs
+    engine = _spec_engine(model, tok, model, k)
+    reqs = engine.generate(ids[:1], SamplingParams(temperature=0.0, max_tokens=40))
+    assert reqs[0].output == plain[0]
+    s = reqs[0].stats.to_dict()
+    assert s["acceptance_rate"] == 1.0 and s["rounds"] > 0
+
+
+@pytest.mark.parametrize("k", [1, 3, 5, 8])
+def test_random_tiny_draft_mostly_rejected(smollm2, plain_outputs, k):
+    model, tok = smollm2
+    ids, plain = plain_outputs
+    draft = tiny_model(seed=7, vocab=model.args.vocab_size, dim=32, layers=1, max_seq_len=1024)
+    engine = _spec_engine(model, tok, draft, k)
+    reqs = engine.generate(ids[:1], SamplingParams(temperature=0.0, max_tokens=40))
+    assert reqs[0].output == plain[0]
+    assert reqs[0].stats.to_dict()["acceptance_rate"] < 0.5
+
+
+@pytest.mark.parametrize("draft_kind", ["self", "random"])
+def test_batched_rows_with_different_prompt_lengths(smollm2, plain_outputs, draft_kind):
+    """Three prompts of different lengths in one batch, ragged acceptance per row."""
+    model, tok = smollm2
+    ids, plain = plain_outputs
+    draft = model if draft_kind == "self" else tiny_model(seed=8, vocab=model.args.vocab_size, dim=32,
+                                                          layers=1, max_seq_len=1024)
+    engine = _spec_engine(model, tok, draft, 4)
+    reqs = engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=40))
+    assert [r.output for r in reqs] == plain
+
+
+def test_plain_batched_equals_alone(smollm2, plain_outputs):
+    model, tok = smollm2
+    ids, plain = plain_outputs
+    engine = Engine(model, tok, max_seq_len=512, max_batch=4)
+    alone = [engine.generate([i], SamplingParams(temperature=0.0, max_tokens=40))[0].output for i in ids]
+    assert alone == plain
