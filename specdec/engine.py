@@ -197,7 +197,6 @@ class Engine:
         events = []
         for b, r in enumerate(reqs):
             n_acc = n_emit_l[b] - 1
-            r.stats.record_round(nd_l[b], n_acc)
             if nd_l[b]:
                 r.stats.draft_time += t_draft
                 r.stats.draft_forwards += nd_l[b]
@@ -210,10 +209,13 @@ class Engine:
                 self._append(r, t)
                 if r.finished:
                     break
+            # Accepted drafts cut by a stop are neither emitted nor counted (PITFALLS 6).
+            n_acc = min(n_acc, committed)
+            r.stats.record_round(nd_l[b], n_acc)
             # Target KV: committed tokens but the last. Drafts past the commit are rolled back.
             self.cache.set_length(r.row, min(L_b + n_acc, len(r.tokens) - 1))
             if self.proposer is not None:
-                self.proposer.accept(r, min(n_acc, committed))
+                self.proposer.accept(r, n_acc)
             r.decode_time += time.perf_counter() - t0
             events.append((r, self._stream_delta(r)))
         for r in reqs:

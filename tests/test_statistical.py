@@ -1,0 +1,97 @@
+"""Whole-engine statistical test at T > 0, with negative controls the same test must catch.
+
+Samples come from the real engine loop (propose -> verify -> commit -> roll back, batched rows,
+caches reused across rounds), so this also covers what the exact test does not: KV rollback and
+draft catch-up across rounds. N = 200,000 samples of the first 3 tokens (V = 4: 64 cells),
+Pearson chi-square against the target's exact joint; pass at p > 1e-3.
+
+Power: for each control the exact joint it produces is computed by enumeration (tests/
+distribution.py), giving the noncentrality lambda = N * sum (alt - target)^2 / target of the
+chi-square statistic under that bug. The test asserts lambda >= 400 before sampling: with ~60
+degrees of freedom the 1e-6 critical value is ~ 130, and a noncentral chi2(60, 400) has mean 460
+and sd ~ 42, so the control is rejected at p < 1e-6 with probability > 1 - 1e-9. Then it samples
+each control and asserts that it really is rejected at p < 1e-6.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from distribution import (chi_square, engine_joint_exact, make_engine, noncentrality, sample_engine,
+                          target_joint_exact)
+from specdec import rejection
+from specdec.config import SamplingParams
+from specdec.proposers import draft_model
+
+N = 200_000
+BATCH = 4000
+PROMPT = [1, 2, 3]
+PARAMS = SamplingParams(temperature=1.0, top_k=3, max_tokens=3)
+
+
+@pytest.fixture(scope="module")
+def models():
+    kw = dict(vocab=4, dim=16, layers=1, heads=2, kv_heads=1, inter=16, max_seq_len=32)
+    # a sharper draft than the target: frequent rejections make the controls visible
+    return tiny_model(seed=21, scale=0.6, **kw), tiny_model(seed=22, scale=1.2, **kw)
+
+
+@pytest.fixture(scope="module")
+def target_joint(models):
+    return target_joint_exact(models[0], PROMPT, PARAMS)
+
+
+def _redraw_from_p(monkeypatch):
+    monkeypatch.setattr(rejection, "residual_distribution", lambda p, q, d: p)
+
+
+def _keep_checking_after_rejection(monkeypatch):
+    def count_all_accepted(ok, num_draft):  # counts accepted drafts anywhere, not the leading run
+        valid = torch.arange(ok.shape[1]).unsqueeze(0) < num_draft.unsqueeze(1)
+        return (ok & valid).long().sum(1)
+    monkeypatch.setattr(rejection, "_first_false", count_all_accepted)
+
+
+def _q_without_top_k(monkeypatch):
+    """transformers#47932: drafts sampled after top-k, but the q handed to the verifier was
+    computed from the logits before top-k. (A consistent q without top-k would still be exact:
+    verification only needs the q the drafts were really sampled from.)"""
+    import dataclasses
+
+    from specdec import sampling
+
+    original = draft_model.DraftModelProposer._sample
+
+    def sample_then_misreport(self, logits, reqs, counts, i):
+        d, q = original(self, logits, reqs, counts, i)
+        if q is not None:
+            q = sampling.probabilities(logits, dataclasses.replace(reqs[0].params, top_k=0))
+        return d, q
+    monkeypatch.setattr(draft_model.DraftModelProposer, "_sample", sample_then_misreport)
+
+
+CONTROLS = {"redraw_from_p": _redraw_from_p, "keep_checking_after_rejection": _keep_checking_after_rejection,
+            "q_without_top_k": _q_without_top_k}
+
+
+def test_engine_samples_match_target(models, target_joint):
+    target, draft = models
+    engine = make_engine(target, draft, 3, max_batch=BATCH, max_seq_len=32)
+    counts = sample_engine(engine, PROMPT, PARAMS, N, BATCH, seed=0)
+    stat, dof, p = chi_square(counts, target_joint)
+    assert p > 1e-3, (stat, dof, p)
+
+
+@pytest.mark.parametrize("control", list(CONTROLS))
+def test_negative_control_is_rejected(models, target_joint, control, monkeypatch):
+    target, draft = models
+    CONTROLS[control](monkeypatch)
+    exact_alt = engine_joint_exact(make_engine(target, draft, 3, max_seq_len=32), PROMPT, PARAMS)
+    lam = noncentrality(N, exact_alt, target_joint)
+    assert lam >= 400, f"control {control} too weak for this N: lambda={lam:.1f}"
+    engine = make_engine(target, draft, 3, max_batch=BATCH, max_seq_len=32)
+    counts = sample_engine(engine, PROMPT, PARAMS, N, BATCH, seed=1)
+    stat, dof, p = chi_square(counts, target_joint)
+    assert p < 1e-6, (control, stat, dof, p, lam)
