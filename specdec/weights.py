@@ -115,7 +115,7 @@ def read_gguf(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
         w = w.reshape(tuple(int(s) for s in reversed(t.shape)))
         if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
             w = _unpermute(w, n_heads if "attn_q" in name else n_kv)
-        state[hf] = torch.from_numpy(np.ascontiguousarray(w))
+        state[hf] = torch.from_numpy(np.array(w, dtype=np.float32, order="C"))  # owns its memory
     return args, state
 
 
