@@ -74,7 +74,11 @@ class LLM:
             spec = speculative_config if isinstance(speculative_config, SpeculativeConfig) \
                 else SpeculativeConfig(**speculative_config)
             self.spec = spec
-            if spec.draft is not None and spec.num_draft_tokens > 0:
+            if spec.proposer == "ngram":
+                from specdec.proposers.ngram import NgramProposer
+
+                proposer = NgramProposer(spec.ngram_min, spec.ngram_max)
+            elif spec.num_draft_tokens > 0:
                 from specdec.proposers import DraftModelProposer
 
                 draft, dtok = load_model(spec.draft, spec.draft_dtype, device, progress)

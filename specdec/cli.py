@@ -27,6 +27,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None, help="draft model (name, GGUF or HF dir) for speculation")
+    p.add_argument("--proposer", default=None,
+                   help="draft | ngram (default: draft when --draft is given; no speculation otherwise)")
+    p.add_argument("--ngram-min", type=int, default=1, help="shortest suffix n-gram to match (default 1)")
+    p.add_argument("--ngram-max", type=int, default=4, help="longest suffix n-gram to match (default 4)")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="draft tokens per round k (default 4)")
     p.add_argument("--draft-sampling", default="probabilistic", choices=["probabilistic", "greedy"],
                    help="draft samples from q (probabilistic) or takes its argmax (one-hot q)")
@@ -90,11 +94,12 @@ def cmd_generate(a) -> int:
         raise SpecdecError("prompt is empty; it needs at least 1 character")
     params = _sampling_params(a)
     spec = None
-    if a.draft is not None:
+    if a.draft is not None or a.proposer is not None:
         from specdec.config import SpeculativeConfig
 
         spec = SpeculativeConfig(draft=a.draft, num_draft_tokens=a.num_draft_tokens,
-                                 draft_sampling=a.draft_sampling, draft_dtype=a.draft_dtype)
+                                 draft_sampling=a.draft_sampling, draft_dtype=a.draft_dtype,
+                                 proposer=a.proposer, ngram_min=a.ngram_min, ngram_max=a.ngram_max)
     progress = (lambda s: print(s, file=sys.stderr, flush=True))
     llm = LLM(a.model, speculative_config=spec, dtype=a.dtype, device=a.device,
               max_model_len=a.max_model_len, max_batch=1, progress=progress)

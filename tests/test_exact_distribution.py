@@ -51,6 +51,20 @@ def test_engine_joint_equals_target_joint(models, setting, k, draft_sampling):
     assert _max_diff(got, want) < 1e-6
 
 
+@pytest.mark.parametrize("setting", ["plain", "temp0.6_topk2", "penalties", "all"])
+def test_ngram_one_hot_q_joint_equals_target(models, setting):
+    """N-gram drafts (one-hot q) from a repetitive prompt: still exactly the target's joint."""
+    from specdec.proposers import NgramProposer
+
+    target, _ = models
+    params = SamplingParams(max_tokens=16, **SETTINGS[setting])
+    engine = make_engine(target, None, 3)
+    engine.proposer, engine.k = NgramProposer(1, 3), 3
+    prompt = [1, 2, 3, 1, 2]
+    got = engine_joint_exact(engine, prompt, params)
+    assert _max_diff(got, target_joint_exact(target, prompt, params)) < 1e-6
+
+
 def test_exact_test_catches_redraw_from_p(models, monkeypatch):
     """Negative control: the same comparison sees the classic bug (redraw from p on reject)."""
     target, draft = models

@@ -3,5 +3,6 @@
 
 from specdec.proposers.base import Proposal, Proposer
 from specdec.proposers.draft_model import DraftModelProposer
+from specdec.proposers.ngram import NgramProposer
 
-__all__ = ["Proposal", "Proposer", "DraftModelProposer"]
+__all__ = ["Proposal", "Proposer", "DraftModelProposer", "NgramProposer"]
