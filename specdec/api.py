@@ -39,7 +39,7 @@ def load_model(name: str, dtype: str = "fp32", device: str | None = None, progre
 
 def check_draft_compatible(target_tok: Tokenizer, draft_tok: Tokenizer, t_name: str, d_name: str) -> int:
     """The shared real vocabulary size; refuse drafts whose tokens differ from the target's."""
-    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
+    tv, dv = target_tok.real_vocab, draft_tok.real_vocab  # padding entries may differ
     if tv != dv:
         diff = len(set(tv.items()) ^ set(dv.items()))
         raise SpecdecError(

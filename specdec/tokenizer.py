@@ -8,11 +8,13 @@ engine only sees token ids; text lives here.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from specdec.errors import SpecdecError
 
 # Tokens that end a turn in the chat formats we ship; stop generation on any that exist.
+_PAD = re.compile(r"\[PAD\d+\]")
 END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>")
 
 
@@ -23,8 +25,12 @@ class Tokenizer:
         self.eos_token = eos_token
         self.bos_token = bos_token
         vocab = tok.get_vocab(with_added_tokens=True)
-        self.vocab_size = max(vocab.values()) + 1  # ids the tokenizer can produce
-        ids = {vocab[t] for t in END_OF_TURN if t in vocab}
+        # The real vocabulary: GGUF conversions pad the token list to the embedding table's size
+        # with "[PAD<id>]" entries; those ids are never sampled (PITFALLS 10).
+        self.real_vocab = {t: i for t, i in vocab.items() if not _PAD.fullmatch(t)}
+        self.vocab_size = max(self.real_vocab.values()) + 1
+        special = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+        ids = {special[t] for t in END_OF_TURN if t in special}  # "</s>" may be plain text elsewhere
         if eos_token in vocab:
             ids.add(vocab[eos_token])
         self.eos_token_ids = frozenset(ids)
