@@ -230,6 +230,23 @@ def test_batch_invariance_across_threads_isas_and_chunks(dtype):
     assert_within_gamma(full, x, ref_weight(w, dtype), bias)
 
 
+@pytest.mark.parametrize("m", [17, 100, K.MAX_KERNEL_ROWS])
+def test_many_rows_on_kernel(m):
+    """Past the hypothesis range (M <= 16): still correct and batch-invariant."""
+    require_kernel()
+    gen = torch.Generator().manual_seed(m)
+    n, k = 333, 517
+    w, bias = torch.randn(n, k, generator=gen) / k**0.5, torch.randn(n, generator=gen)
+    x = torch.randn(m, k, generator=gen)
+    assert K._use_kernel(x, m)
+    for dtype in ("fp32", "bf16"):
+        pw = K.prepare_weight(w, dtype)
+        y = K.linear(x, pw, bias)
+        assert torch.allclose(y, F.linear(x, ref_weight(w, dtype), bias), rtol=1e-5, atol=1e-5)
+        for i in (0, m // 2, m - 1):
+            assert torch.equal(y[i], K.linear(x[i], pw, bias))
+
+
 # ---------------------------------------------------------------- fallback path
 
 

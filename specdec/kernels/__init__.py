@@ -9,7 +9,7 @@ applies it to all M rows while it is in registers/L1, on torch's thread count.
     y = linear(x, pw, bias)           # x: [..., K] -> y: [..., N]
 
 The kernel runs when the extension is available, x is an fp32 CPU tensor and
-M = x.numel() // K <= MAX_KERNEL_ROWS; anything else goes to F.linear on the
+M = x.numel() // K <= MAX_KERNEL_ROWS (256); anything else goes to F.linear on the
 same math (for "bf16" storage: weights rounded to bf16, fp32 accumulation).
 SPECDEC_KERNEL=torch forces the fallback; SPECDEC_KERNEL=auto (default) uses
 the extension if it builds and the CPU has AVX2+FMA, with its AVX-512 tiles
@@ -33,10 +33,15 @@ __all__ = ["PreparedWeight", "prepare_weight", "linear", "kernel_available", "ke
 
 log = logging.getLogger(__name__)
 
-# Largest row count sent to the C++ kernel.  Measured (benchmarks/kernels.py,
-# 2 threads): the kernel beats F.linear at every M <= 16 on every shape; past
-# that MKL's GEMM closes in as the kernel becomes FMA-bound (AVX2 only).
-MAX_KERNEL_ROWS = 16
+# Largest row count sent to the C++ kernel; more rows go to F.linear (MKL).
+# Measured on the dev box (Zen 5, 1 thread, fp32 and bf16; benchmarks/kernels.py
+# --crossover for 2 threads): the kernel is >= 1.5x F.linear at every M up to
+# 2048 on its AVX-512 tiles, and >= 1.15x up to M = 256 on its AVX2 tiles, at
+# parity around M = 512..1024 (MKL runs AVX2 code on this AMD CPU).  256 keeps
+# the AVX2 path on the winning side, and covers speculative verification
+# (M = k+1 <= 16) with room for short prefills, which then get the same
+# batch-invariant arithmetic as decoding.
+MAX_KERNEL_ROWS = 256
 NR = 16  # output features per packed panel; must match NR in linear.cpp
 
 _SRC = Path(__file__).with_name("linear.cpp")
