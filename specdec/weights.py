@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -166,9 +167,40 @@ def convert_gguf(path: Path, progress=None) -> Path:
     return out
 
 
-def load_hf_dir(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
-    from safetensors.torch import load_file
+class LazyTensors(Mapping):
+    """name -> tensor over *.safetensors files, read on access: loading a model never holds the
+    whole checkpoint and the packed weights in memory at once."""
 
+    def __init__(self, files: list[Path]):
+        from safetensors import safe_open
+
+        self._where = {}
+        self._handles = []
+        for f in files:
+            try:
+                h = safe_open(str(f), framework="pt")
+            except Exception as e:
+                raise SpecdecError(f"cannot read {f}: corrupt or truncated file ({e})") from None
+            self._handles.append(h)
+            for k in h.keys():
+                self._where[k] = h
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        try:
+            return self._where[name].get_tensor(name)
+        except KeyError:
+            raise KeyError(name) from None
+        except Exception as e:
+            raise SpecdecError(f"cannot read tensor {name}: corrupt or truncated file ({e})") from None
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def load_hf_dir(path: Path) -> tuple[ModelArgs, Mapping[str, torch.Tensor]]:
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
@@ -181,13 +213,7 @@ def load_hf_dir(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise SpecdecError(f"model directory {path} has no *.safetensors files")
-    state = {}
-    for f in files:
-        try:
-            state.update(load_file(str(f)))
-        except Exception as e:
-            raise SpecdecError(f"cannot read {f}: corrupt or truncated file ({e})") from None
-    return args, state
+    return args, LazyTensors(files)
 
 
 def resolve_checkpoint(path: Path, progress=None) -> Path:

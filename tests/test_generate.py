@@ -96,3 +96,47 @@ def test_same_seed_same_text(smollm2):
     c = engine.generate([ids], SamplingParams(temperature=0.9, top_p=0.95, max_tokens=24, seed=99))[0].output
     assert a == b
     assert a != c  # a different seed gives different text (with overwhelming probability)
+
+
+STATS_KEYS = {"rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_acceptance_length",
+              "per_position_acceptance", "draft_cost_ratio", "predicted_speedup"}
+
+
+@pytest.mark.parametrize("spec_args", [["--draft", "smollm2-135m", "--num-draft-tokens", "3"],
+                                       ["--proposer", "ngram", "--num-draft-tokens", "3"]])
+def test_cli_speculative_json_stats(spec_args, smollm2_dir):
+    r = run_cli("generate", *spec_args, "--temperature", "0", "--max-tokens", "16", "--json", "--threads", "2",
+                "Repeat after me: one two three, one two three, one two three")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert set(out["stats"]) == STATS_KEYS
+    s = out["stats"]
+    assert 0 <= s["acceptance_rate"] <= 1 and s["accepted_tokens"] <= s["draft_tokens"]
+    if s["rounds"]:
+        assert s["mean_acceptance_length"] == pytest.approx(s["accepted_tokens"] / s["rounds"] + 1)
+
+
+def test_api_speculative_config_matches_plain(smollm2_dir):
+    import specdec
+
+    params = specdec.SamplingParams(temperature=0, max_tokens=12)
+    plain = specdec.LLM("smollm2-135m", max_model_len=512).generate(["Name a fruit."], params)[0]
+    spec = specdec.LLM("smollm2-135m", speculative_config={"draft": "smollm2-135m", "num_draft_tokens": 3},
+                       max_model_len=512).generate(["Name a fruit."], params)[0]
+    assert spec.token_ids == plain.token_ids and spec.text == plain.text
+    assert spec.stats["rounds"] > 0
+
+
+@pytest.mark.parametrize("cfg, needle", [
+    ({"draft": "smollm2-135m", "num_draft_tokens": -1}, "num_draft_tokens=-1"),
+    ({"draft": "smollm2-135m", "num_draft_tokens": 33}, "num_draft_tokens=33"),
+    ({"draft": "smollm2-135m", "draft_sampling": "sometimes"}, "draft_sampling='sometimes'"),
+    ({"proposer": "magic"}, "proposer='magic'"),
+    ({"proposer": "ngram", "ngram_min": 4, "ngram_max": 2}, "ngram_min=4 > ngram_max=2"),
+])
+def test_speculative_config_errors(cfg, needle):
+    from specdec.config import SpeculativeConfig
+    from specdec.errors import SpecdecError
+
+    with pytest.raises(SpecdecError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        SpeculativeConfig(**cfg)
