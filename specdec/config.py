@@ -137,7 +137,7 @@ class SamplingParams:
 
 MAX_DRAFT_TOKENS = 32
 DRAFT_SAMPLING = ("probabilistic", "greedy")
-PROPOSERS = ("draft", "ngram")
+PROPOSERS = ("draft", "ngram", "composite")
 
 
 @dataclass
@@ -148,7 +148,8 @@ class SpeculativeConfig:
     num_draft_tokens: int = 4
     draft_sampling: str = "probabilistic"  # how the draft samples its tokens: q = full or one-hot
     draft_dtype: str = "fp32"
-    proposer: str | None = None  # "draft" | "ngram"; default: "draft" if a draft is given, else "ngram"
+    proposer: str | None = None  # draft | ngram | composite (n-gram first, then the draft model);
+    # default: "draft" if a draft is given, else "ngram"
     ngram_min: int = 1
     ngram_max: int = 4
 
@@ -157,8 +158,8 @@ class SpeculativeConfig:
             self.proposer = "draft" if self.draft is not None else "ngram"
         if self.proposer not in PROPOSERS:
             raise SpecdecError(f"proposer={self.proposer!r}; allowed: {', '.join(PROPOSERS)}")
-        if self.proposer == "draft" and self.draft is None:
-            raise SpecdecError("proposer='draft' needs a draft model (--draft MODEL)")
+        if self.proposer in ("draft", "composite") and self.draft is None:
+            raise SpecdecError(f"proposer={self.proposer!r} needs a draft model (--draft MODEL)")
         from specdec.proposers.ngram import check_ngram_range
 
         check_ngram_range(self.ngram_min, self.ngram_max)

@@ -65,6 +65,22 @@ def test_ngram_one_hot_q_joint_equals_target(models, setting):
     assert _max_diff(got, target_joint_exact(target, prompt, params)) < 1e-6
 
 
+@pytest.mark.parametrize("setting", ["plain", "all"])
+def test_composite_joint_equals_target(models, setting):
+    """n-gram first (one-hot q), draft model otherwise (full q), from round to round."""
+    from specdec.proposers import DraftModelProposer, NgramProposer
+    from specdec.proposers.composite import CompositeProposer
+
+    target, draft = models
+    params = SamplingParams(max_tokens=16, **SETTINGS[setting])
+    engine = make_engine(target, None, 2)
+    engine.proposer = CompositeProposer([NgramProposer(2, 3), DraftModelProposer(draft, 4, 64)])
+    engine.k = 2
+    prompt = [1, 2, 3, 1, 2]
+    got = engine_joint_exact(engine, prompt, params)
+    assert _max_diff(got, target_joint_exact(target, prompt, params)) < 1e-6
+
+
 def test_exact_test_catches_redraw_from_p(models, monkeypatch):
     """Negative control: the same comparison sees the classic bug (redraw from p on reject)."""
     target, draft = models

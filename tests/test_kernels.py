@@ -156,6 +156,7 @@ def test_kernel_matches_f_linear(c):
     assert K._use_kernel(x, c["m"])
     y = K.linear(x, pw, bias)
     wr = ref_weight(w, c["dtype"])
+    assert torch.equal(pw.dense, wr)  # packing round-trips exactly (tails, lane order)
     ref = F.linear(x, wr, bias)
     assert y.shape == ref.shape and y.dtype == torch.float32
     assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5), (y - ref).abs().max().item()
@@ -189,7 +190,7 @@ def test_bf16_really_rounds_weights():
     gen = torch.Generator().manual_seed(1)
     w, x = torch.randn(64, 256, generator=gen), torch.randn(4, 256, generator=gen)
     pw = K.prepare_weight(w, "bf16")
-    assert pw.packed.element_size() == 2 and torch.equal(pw.dense_fp32(), w.to(torch.bfloat16).float())
+    assert pw.packed.element_size() == 2 and torch.equal(pw.dense, w.to(torch.bfloat16).float())
     y = K.linear(x, pw)
     assert torch.allclose(y, F.linear(x, w.to(torch.bfloat16).float()), rtol=1e-5, atol=1e-5)
     assert not torch.allclose(y, F.linear(x, w), rtol=1e-5, atol=1e-5)
@@ -252,6 +253,7 @@ def test_many_rows_on_kernel(m):
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_forced_fallback_is_used_and_equal(monkeypatch, dtype):
+    """SPECDEC_KERNEL=torch after packing: F.linear on the exactly unpacked weight."""
     gen = torch.Generator().manual_seed(5)
     w, bias = torch.randn(77, 130, generator=gen) / 130**0.5, torch.randn(77, generator=gen)
     x = torch.randn(2, 3, 130, generator=gen)  # [B, T, K]
@@ -260,9 +262,23 @@ def test_forced_fallback_is_used_and_equal(monkeypatch, dtype):
     monkeypatch.setenv("SPECDEC_KERNEL", "torch")
     assert not K._use_kernel(x, 6)
     y_torch = K.linear(x, pw, bias)
-    # The fallback is literally F.linear on the same (bf16-rounded) weights.
+    assert torch.equal(pw.dense, ref_weight(w, dtype))  # unpacking is exact
     assert torch.equal(y_torch, F.linear(x, ref_weight(w, dtype), bias))
     assert torch.allclose(y_auto, y_torch, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_weight_stored_once(monkeypatch, dtype):
+    """One copy: packed when the kernel runs; fp32 fallback copy only if prepared under torch mode."""
+    require_kernel()
+    w, x = torch.randn(40, 24), torch.randn(3, 24)
+    pw = K.prepare_weight(w, dtype)
+    assert pw.packed is not None and pw.fallback is None
+    monkeypatch.setenv("SPECDEC_KERNEL", "torch")
+    pt = K.prepare_weight(w, dtype)
+    assert pt.packed is None and torch.equal(pt.fallback, ref_weight(w, dtype))
+    monkeypatch.delenv("SPECDEC_KERNEL")
+    assert torch.equal(K.linear(x, pt), F.linear(x, ref_weight(w, dtype)))  # no packed: torch
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

@@ -62,3 +62,24 @@ def test_greedy_ngram_equals_plain(smollm2, k):
     got = spec.generate(prompts, params)
     assert [r.output for r in got] == [r.output for r in plain]
     assert got[0].stats.draft_tokens > 0 and got[0].stats.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("draft_kind", ["self", "random"])
+def test_greedy_composite_equals_plain(smollm2, draft_kind):
+    """n-gram first, draft model when there is no match; batched rows of different lengths."""
+    from conftest import tiny_model
+    from specdec.config import SamplingParams
+    from specdec.engine import Engine
+    from specdec.proposers import DraftModelProposer
+    from specdec.proposers.composite import CompositeProposer
+
+    model, tok = smollm2
+    draft = model if draft_kind == "self" else tiny_model(seed=3, vocab=model.args.vocab_size, dim=32,
+                                                          layers=1, max_seq_len=1024)
+    code = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
+    prompts = [tok.encode_prompt(f"Repeat this code exactly:\n{code}"), tok.encode_prompt("Name three colours.")]
+    params = SamplingParams(temperature=0, max_tokens=40)
+    plain = Engine(model, tok, max_seq_len=512, max_batch=2).generate(prompts, params)
+    comp = CompositeProposer([NgramProposer(1, 4), DraftModelProposer(draft, tok.vocab_size, 512)])
+    got = Engine(model, tok, comp, num_draft_tokens=4, max_seq_len=512, max_batch=2).generate(prompts, params)
+    assert [r.output for r in got] == [r.output for r in plain]

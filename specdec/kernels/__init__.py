@@ -9,12 +9,13 @@ applies it to all M rows while it is in registers/L1, on torch's thread count.
     y = linear(x, pw, bias)           # x: [..., K] -> y: [..., N]
 
 The kernel runs when the extension is available, x is an fp32 CPU tensor and
-M = x.numel() // K <= MAX_KERNEL_ROWS (256); anything else goes to F.linear on the
+M = x.numel() // K <= MAX_KERNEL_ROWS; anything else goes to F.linear on the
 same math (for "bf16" storage: weights rounded to bf16, fp32 accumulation).
-SPECDEC_KERNEL=torch forces the fallback; SPECDEC_KERNEL=auto (default) uses
-the extension if it builds and the CPU has AVX2+FMA, with its AVX-512 tiles
-when the CPU has those (same results bit for bit); SPECDEC_KERNEL=avx2 keeps
-it on the AVX2 tiles.
+Each row's result is the same bits whatever M is (batch invariance).
+
+SPECDEC_KERNEL (read per call): "auto" (default) uses the extension if it
+builds and the CPU has AVX2+FMA, on AVX-512 tiles where the CPU has them (same
+bits); "avx2" keeps it on its AVX2 tiles; "torch" forces the fallback.
 """
 
 from __future__ import annotations
@@ -28,68 +29,98 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-__all__ = ["PreparedWeight", "prepare_weight", "linear", "kernel_available", "kernel_isa", "build",
-           "MAX_KERNEL_ROWS", "NR"]
+__all__ = ["PreparedWeight", "prepare_weight", "linear", "kernel_available", "kernel_isa",
+           "build", "MAX_KERNEL_ROWS", "NR"]
 
 log = logging.getLogger(__name__)
 
 # Largest row count sent to the C++ kernel; more rows go to F.linear (MKL).
-# Measured on the dev box (Zen 5, 1 thread, fp32 and bf16; benchmarks/kernels.py
-# --crossover for 2 threads): the kernel is >= 1.5x F.linear at every M up to
-# 2048 on its AVX-512 tiles, and >= 1.15x up to M = 256 on its AVX2 tiles, at
-# parity around M = 512..1024 (MKL runs AVX2 code on this AMD CPU).  256 keeps
-# the AVX2 path on the winning side, and covers speculative verification
-# (M = k+1 <= 16) with room for short prefills, which then get the same
+# Measured on the dev box (benchmarks/kernels.py --crossover, and 1-thread
+# sweeps to M = 2048): the kernel beats F.linear at every M up to 2048 on its
+# AVX-512 tiles (>= 1.5x), and up to M = 256 on its AVX2 tiles (>= 1.15x),
+# with parity around M = 512..1024 (MKL runs AVX2 code on this AMD CPU).
+# 256 keeps either path on the winning side; it covers speculative
+# verification (M = k+1) and short prefills, which then get the same
 # batch-invariant arithmetic as decoding.
 MAX_KERNEL_ROWS = 256
-NR = 16  # output features per packed panel; must match NR in linear.cpp
+NR = 16    # output features per panel; must match NR in linear.cpp
+UNIT = 2   # panels per unit, interleaved per k-step; must match UNIT in linear.cpp
+KS = UNIT * NR
+
+# bf16 panels store lane pairs (j, 8+j) in each 32-bit word (see linear.cpp).
+_LANES = (torch.arange(NR).view(2, NR // 2).t().reshape(-1)          # 0, 8, 1, 9, ..., 7, 15
+          + NR * torch.arange(UNIT).view(-1, 1)).reshape(-1)          # ... per panel of the unit
+_LANES_INV = torch.argsort(_LANES)
 
 _SRC = Path(__file__).with_name("linear.cpp")
-_ext = None          # the loaded extension module, once built
+_ext = None           # the loaded extension module, once built
 _build_tried = False  # build at most once per process, even if it failed
 
 
 @dataclass(frozen=True, eq=False)
 class PreparedWeight:
-    """A weight packed for the kernel, plus what the torch fallback needs.
+    """A weight stored once, in the form the path that will run it wants.
 
-    packed: fp32 [P, K, NR] panels, or int16 [P, K, NR] bf16 bits with lanes
-            interleaved (j, 8+j) -- see linear.cpp; P = ceil(N / NR), zero-padded.
-    dense:  [N, K] weight for the fallback: the caller's fp32 tensor (shared,
-            not copied, when it is already contiguous fp32), or the
-            bf16-rounded weight as torch.bfloat16 (widened per fallback call).
+    packed:   kernel layout, when the kernel is available: units of two
+              16-feature panels, [U, K, 32] (U = ceil(N / 32), zero-padded):
+              fp32, or int16 bf16 bits with each panel's lanes interleaved
+              (j, 8+j) -- see linear.cpp.  Otherwise None.
+    fallback: [N, K] fp32 (bf16-rounded values for "bf16") when the fallback
+              is the main path (no kernel, or SPECDEC_KERNEL=torch at prepare
+              time).  Otherwise None, and the rare fallback call (M >
+              MAX_KERNEL_ROWS, or SPECDEC_KERNEL=torch set later) unpacks
+              `packed`, exactly, for that call: keeping both would double
+              the model's memory.
     """
 
-    packed: torch.Tensor
-    dense: torch.Tensor
+    packed: torch.Tensor | None
+    fallback: torch.Tensor | None
     n: int
     k: int
     dtype: str  # "fp32" | "bf16"
 
-    def dense_fp32(self) -> torch.Tensor:
-        """[N, K] fp32 weight with exactly the values the kernel multiplies by."""
-        return self.dense if self.dtype == "fp32" else self.dense.float()
+    @property
+    def dense(self) -> torch.Tensor:
+        """[N, K] fp32 with exactly the values the kernel multiplies by.
+
+        A fresh unpacked copy on every access when only `packed` is stored.
+        """
+        return self.fallback if self.fallback is not None else _unpack(self.packed, self.n, self.dtype)
 
 
 def prepare_weight(w: torch.Tensor, dtype: str = "fp32") -> PreparedWeight:
-    """Pack w [N, K] (out_features x in_features) for `linear`."""
+    """Store w [N, K] (out_features x in_features) for `linear`, as fp32 or bf16."""
     if dtype not in ("fp32", "bf16"):
         raise ValueError(f"dtype must be 'fp32' or 'bf16', got {dtype!r}")
     if w.dim() != 2:
         raise ValueError(f"weight must be [N, K], got shape {tuple(w.shape)}")
-    w = w.detach().to(device="cpu", dtype=torch.float32).contiguous()
+    w = w.detach().to(device="cpu", dtype=torch.float32).contiguous()  # [N, K]
+    if dtype == "bf16":  # round to nearest even, as torch does; every path uses these values
+        w = w.to(torch.bfloat16).float()
     n, k = w.shape
-    p = -(-n // NR)
-    padded = w.new_zeros(p * NR, k)
-    padded[:n] = w
-    panels = padded.view(p, NR, k).transpose(1, 2)  # [P, K, NR]
-    if dtype == "fp32":
-        return PreparedWeight(panels.contiguous(), w, n, k, dtype)
-    # Round-to-nearest-even to bf16 (torch's rounding), keep the bits as int16.
-    bits = panels.to(torch.bfloat16).contiguous().view(torch.int16)  # [P, K, NR]
-    # Interleave so 32-bit lane j holds (feature j, feature 8+j).
-    order = torch.arange(NR).view(2, NR // 2).t().reshape(-1)  # 0,8,1,9,...,7,15
-    return PreparedWeight(bits[..., order].contiguous(), w.to(torch.bfloat16), n, k, dtype)
+    if os.environ.get("SPECDEC_KERNEL") != "torch" and kernel_available():
+        return PreparedWeight(_pack(w, dtype), None, n, k, dtype)
+    return PreparedWeight(None, w, n, k, dtype)
+
+
+def _pack(w: torch.Tensor, dtype: str) -> torch.Tensor:
+    """[N, K] fp32 -> [U, K, KS] units (fp32, or int16 bf16 bits in lane-pair order)."""
+    n, k = w.shape
+    u = -(-n // KS)
+    if u * KS != n:
+        w = torch.cat([w, w.new_zeros(u * KS - n, k)])  # [U*KS, K], zero rows never reach out
+    units = w.view(u, KS, k)  # [U, KS, K]
+    if dtype == "bf16":  # values are bf16 already, so this conversion is exact
+        units = units.to(torch.bfloat16).view(torch.int16)[:, _LANES, :]
+    return units.transpose(1, 2).contiguous()  # [U, K, KS]: one k-step of a unit is contiguous
+
+
+def _unpack(packed: torch.Tensor, n: int, dtype: str) -> torch.Tensor:
+    """Inverse of _pack: [U, K, KS] -> [N, K] fp32 (a fresh copy)."""
+    if dtype == "bf16":
+        packed = packed[..., _LANES_INV].view(torch.bfloat16)
+    u, k, _ = packed.shape
+    return packed.transpose(1, 2).reshape(u * KS, k)[:n].float()
 
 
 def _cpu_has_avx2_fma() -> bool:
@@ -97,17 +128,15 @@ def _cpu_has_avx2_fma() -> bool:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return {"avx2", "fma"} <= flags
+                    return {"avx2", "fma"} <= set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    # Not Linux: torch's dispatch level implies AVX2+FMA when it is AVX2 or higher.
+    # Not Linux: torch's dispatch level AVX2 or above implies AVX2+FMA.
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
 def _build_dir() -> Path:
-    root = os.environ.get("SPECDEC_CACHE", "~/.cache/specdec")
-    return Path(root).expanduser() / "ext"
+    return Path(os.environ.get("SPECDEC_CACHE", "~/.cache/specdec")).expanduser() / "ext"
 
 
 def build(verbose: bool = False):
@@ -137,8 +166,9 @@ def build(verbose: bool = False):
             verbose=verbose,
         )
     except Exception as e:  # noqa: BLE001 -- any build failure means "fall back"
-        log.warning("specdec.kernels: extension build failed, using torch fallback: %s",
-                    str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
+        lines = str(e).strip().splitlines()
+        log.warning("specdec.kernels: extension build failed, using the torch fallback: %s",
+                    lines[-1] if lines else type(e).__name__)
         _ext = None
     return _ext
 
@@ -152,7 +182,8 @@ def kernel_isa() -> str:
     """Instruction set `linear` runs the kernel with here: "avx512", "avx2" or "none"."""
     if not kernel_available():
         return "none"
-    return "avx2" if os.environ.get("SPECDEC_KERNEL") == "avx2" or _ext.best_isa() == 2 else "avx512"
+    avx2 = os.environ.get("SPECDEC_KERNEL") == "avx2" or _ext.best_isa() == 2
+    return "avx2" if avx2 else "avx512"
 
 
 def _use_kernel(x: torch.Tensor, m: int, mode: str | None = None) -> bool:
@@ -173,12 +204,12 @@ def linear(x: torch.Tensor, w: PreparedWeight,
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features, weight expects {k}")
     mode = os.environ.get("SPECDEC_KERNEL")  # read once: ~0.5 us per lookup
-    if _use_kernel(x, x.numel() // k if k else 0, mode):
+    if w.packed is not None and w.n and _use_kernel(x, x.numel() // k if k else 0, mode):
         # x [..., K] with any strides -> [..., N]; shapes are handled in C++
         # (a Python reshape/view costs ~0.7 us each, comparable to small layers).
         return _ext.linear(x, w.packed, bias, w.n, torch.get_num_threads(),
                            2 if mode == "avx2" else 0)  # isa 0: best available
-    return F.linear(x, w.dense_fp32(), bias)
+    return F.linear(x, w.dense, bias)
 
 
 def _kernel_linear(x: torch.Tensor, w: PreparedWeight,

@@ -7,18 +7,19 @@
 // stays close to the cost of one row until the FMA units become the limit.
 //
 // Layout (done by prepare_weight in __init__.py, not here):
-//   W is padded to Np = ceil(N / NR) * NR rows with zeros and packed into
-//   panels [Np / NR][K][NR], so one k-step of one panel is NR contiguous
-//   weights (fp32: 64 B = one cache line; bf16: 32 B).
-//   bf16 panels are stored as uint16 with the NR lanes interleaved
+//   W is padded with zero rows to a multiple of KS = 32 output features and
+//   packed as units [N / 32][K][2][16]: a unit is two 16-feature panels, and
+//   one k-step of a unit (both panels) is 32 contiguous weights (fp32: 128 B,
+//   bf16: 64 B), so each thread reads a single sequential stream.
+//   bf16 is stored as uint16 with each panel's 16 lanes interleaved
 //   (element 2j = feature j, element 2j+1 = feature 8+j), so that one 32-bit
 //   lane holds two bf16 values and widening is one shift + one AND, no shuffles.
 //
-// Work split: threads take contiguous runs of two-panel units (OpenMP static
-// schedule); for each unit, K is walked in chunks of KC, and inside a chunk
-// every row group runs a register tile (accumulators in registers, weights
+// Work split: threads take contiguous runs of units (OpenMP static schedule);
+// for each unit, K is walked in chunks of KC, and inside a chunk every row
+// group runs a register tile (accumulators in registers, weights
 // broadcast-multiplied against x[m, k]).  Only the first row group streams
-// the chunk from memory; later groups find it in L1.
+// (and prefetches) the chunk from memory; later groups find it in L1/L2.
 //
 // Two tile implementations over the same layout: AVX2+FMA (the baseline the
 // build flags require) and AVX-512 (compiled via a target pragma and used only
@@ -46,17 +47,30 @@ namespace {
 
 constexpr int NR = 16;   // output features per panel (one zmm / two ymm);
                          // must match NR in __init__.py
-constexpr int UNIT = 2;  // panels per unit of thread work
+constexpr int UNIT = 2;  // panels per unit of thread work, interleaved per k-step
+constexpr int KS = UNIT * NR;  // weights per k-step of a unit
 // k-chunk: the unit's chunk (<= 2 * 256 * 64 B = 32 KiB fp32) plus the x chunk
 // (<= 16 * 256 * 4 B = 16 KiB) stay in L1/L2 while every row group reuses them.
 constexpr int KC = 256;
-// Software prefetch distance per panel stream (two streams per thread).
-// Measured on the dev box: 4 KiB ahead beats the hardware prefetcher alone by
-// ~5-15% at M = 1 and by ~1.5x at M >= 5, when the core is also busy with FMAs.
-constexpr int PF_BYTES = 4096;
+
+// Software prefetch of one k-step of a unit (fp32: 2 lines, bf16: 1 line),
+// `ahead` bytes ahead of the k-step being used; one stream per thread.
+// Measured on the dev box (1 and 2 threads): 8 KiB (fp32) / 12 KiB (bf16)
+// ahead is 5-25% faster than 2-4 KiB, and than the hardware prefetcher alone,
+// most of all at M >= 5, when the core is also busy with FMAs.
+// `unit` must point at the unit's first panel.
+template <class T>
+inline void prefetch_kstep(const T* unit, int k) {
+  constexpr int ahead = sizeof(T) == 4 ? 8192 : 12288;
+  const char* p = reinterpret_cast<const char*>(unit + static_cast<int64_t>(k) * KS) + ahead;
+#pragma GCC unroll 2
+  for (int off = 0; off < KS * static_cast<int>(sizeof(T)); off += 64)
+    _mm_prefetch(p + off, _MM_HINT_T0);
+}
 
 // Arguments of one register tile over `kc` k-steps of the unit's panels.
-//   wp:  first panel, offset to the chunk start; panel q is at wp + q * wps
+//   wp:  the unit, offset to the chunk start; panel q is at wp + q * wps and
+//        k-steps are KS elements apart
 //   x:   first row of the tile, offset to the chunk start; row stride ldx
 //   acc: [np][M][NR] running sums of the unit, offset to the tile's first row;
 //        panel q's rows at acc + q * accs.  Loaded, updated and stored back
@@ -129,11 +143,10 @@ inline void tile(const TileArgs<typename W::T>& a) {
       c[r][q][1] = _mm256_loadu_ps(a.acc + q * a.accs + r * NR + 8);
     }
   for (int k = 0; k < a.kc; ++k) {
+    if (PF) prefetch_kstep(a.wp, k);  // the whole unit, also for an NP = 1 pass
 #pragma GCC unroll 2
     for (int q = 0; q < NP; ++q) {
-      const typename W::T* wk = a.wp + q * a.wps + static_cast<int64_t>(k) * NR;
-      // fp32: one line per k-step; bf16: one per two (the repeat is cheap).
-      if (PF) _mm_prefetch(reinterpret_cast<const char*>(wk) + PF_BYTES, _MM_HINT_T0);
+      const typename W::T* wk = a.wp + q * a.wps + static_cast<int64_t>(k) * KS;
       __m256 w0, w1;
       W::load(wk, w0, w1);
 #pragma GCC unroll 8
@@ -176,9 +189,11 @@ void chunk(const TileArgs<typename W::T>& a, int64_t M, int np) {
     M == 1 ? tile<1, 2, W, true>(a) : tile<2, 2, W, true>(a);
     return;
   }
+  // The first pass (panel 0, first group) prefetches the whole unit, so
+  // panel 1's pass finds its half of each k-step in L1/L2.
   for (int q = 0; q < np; ++q)
-    for_row_groups(M, 6, a.panel(q), [](int r, const TileArgs<typename W::T>& t, bool first) {
-      first ? tile_rows<W, true>(r, t) : tile_rows<W, false>(r, t);
+    for_row_groups(M, 6, a.panel(q), [q](int r, const TileArgs<typename W::T>& t, bool first) {
+      first && q == 0 ? tile_rows<W, true>(r, t) : tile_rows<W, false>(r, t);
     });
 }
 
@@ -218,11 +233,11 @@ inline void tile(const TileArgs<typename W::T>& a) {
 #pragma GCC unroll 2
     for (int q = 0; q < NP; ++q) c[r][q] = _mm512_loadu_ps(a.acc + q * a.accs + r * NR);
   for (int k = 0; k < a.kc; ++k) {
+    if (PF) prefetch_kstep(a.wp, k);
     __m512 w[NP];
 #pragma GCC unroll 2
     for (int q = 0; q < NP; ++q) {
-      const typename W::T* wk = a.wp + q * a.wps + static_cast<int64_t>(k) * NR;
-      if (PF) _mm_prefetch(reinterpret_cast<const char*>(wk) + PF_BYTES, _MM_HINT_T0);
+      const typename W::T* wk = a.wp + q * a.wps + static_cast<int64_t>(k) * KS;
       w[q] = W::load(wk);
     }
 #pragma GCC unroll 16
@@ -258,7 +273,7 @@ void tile_rows(int r, const TileArgs<typename W::T>& a) {
 
 // One k-chunk of one unit: both panels per tile, groups of <= 12 rows
 // (24 accumulators); M = 1 still has 2 chains of 64-B FMAs, enough to match
-// memory.  np = 1 only for the last unit of an odd panel count.
+// memory.  np = 1 only for a last unit whose second panel is all padding.
 template <class W>
 void chunk(const TileArgs<typename W::T>& a, int64_t M, int np) {
   for_row_groups(M, 12, a, [np](int r, const TileArgs<typename W::T>& t, bool first) {
@@ -296,7 +311,7 @@ void run(void (*chunk)(const TileArgs<T>&, int64_t, int), const float* x, int64_
       std::memset(acc, 0, sizeof(float) * UNIT * M * NR);
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int kc = static_cast<int>(std::min<int64_t>(KC, K - k0));
-        chunk({packed + (p0 * K + k0) * NR, K * NR, x + k0, K, kc, acc, M * NR}, M, np);
+        chunk({packed + (u * K + k0) * KS, NR, x + k0, K, kc, acc, M * NR}, M, np);
       }
       // Epilogue: add bias, store the valid features (last panel may be partial).
       for (int q = 0; q < np; ++q) {
@@ -338,12 +353,12 @@ torch::Tensor linear(const torch::Tensor& x_in, const torch::Tensor& packed,
   TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == torch::kFloat32 &&
                   x_in.dim() >= 1,
               "x must be a fp32 CPU tensor [..., K]");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == NR && packed.is_contiguous(),
-              "packed weight must be contiguous [P, K, 16]");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == KS && packed.is_contiguous(),
+              "packed weight must be contiguous [U, K, 32]");
   const int64_t K = x_in.size(-1);
   TORCH_CHECK(K > 0 && packed.size(1) == K, "K mismatch: x has ", K,
               ", weight has ", packed.size(1));
-  TORCH_CHECK(N > 0 && (N + NR - 1) / NR == packed.size(0), "N mismatch");
+  TORCH_CHECK(N > 0 && (N + KS - 1) / KS == packed.size(0), "N mismatch");
   const torch::Tensor x = x_in.contiguous();  // [M, K] in memory
   const int64_t M = x.numel() / K;
   torch::Tensor b;

@@ -128,6 +128,11 @@ class DraftModelProposer:
                 q[ix] = probs
         return d, q
 
+    def skip(self, req) -> None:
+        """A round in which another proposer drafted for this row: our drafts (if any were fed
+        during a propose whose results were not used) are not history; keep committed KV only."""
+        self.cache.set_length(req.row, min(self.cache.lengths[req.row], self._L.get(req.row, 0)))
+
     def accept(self, req, n_accepted: int) -> None:
         """Keep KV for committed[:L] + the accepted drafts that were fed (at most k - 1)."""
         L, k = self._L[req.row], self._last_k[req.row]

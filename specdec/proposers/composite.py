@@ -1,0 +1,78 @@
+"""Composite proposer: ask each proposer in order, per row, and take the first that drafts.
+
+Default order: n-gram lookup (free) first, then the draft model. A proposer that was not used
+for a row in a round is simply not told about that round; proposers that keep their own cache
+(the draft model) catch up on every committed token the next time they are asked.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.proposers.base import Proposal
+
+
+class CompositeProposer:
+    name = "composite"
+
+    def __init__(self, proposers: list):
+        assert proposers
+        self.proposers = proposers
+        self._used: dict[int, object] = {}  # request id -> proposer that drafted its last round
+
+    def begin(self, req) -> None:
+        for p in self.proposers:
+            p.begin(req)
+
+    def release(self, req) -> None:
+        self._used.pop(req.id, None)
+        for p in self.proposers:
+            p.release(req)
+
+    def reserve(self, n_rows: int) -> None:
+        for p in self.proposers:
+            if hasattr(p, "reserve"):
+                p.reserve(n_rows)
+
+    def propose(self, reqs, ks: list[int]) -> Proposal:
+        B = len(reqs)
+        chosen: list[tuple] = [None] * B  # (tokens list, q rows or None)
+        pending = [b for b in range(B) if ks[b] > 0]
+        for p in self.proposers:
+            if not pending:
+                break
+            prop = p.propose([reqs[b] for b in pending], [ks[b] for b in pending])
+            still = []
+            for j, b in enumerate(pending):
+                n = int(prop.num_draft[j])
+                if n > 0:
+                    chosen[b] = (prop.tokens[j, :n], None if prop.q is None else prop.q[j, :n])
+                    self._used[reqs[b].id] = p
+                else:
+                    still.append(b)
+            pending = still
+        width = max([len(c[0]) for c in chosen if c is not None] + [0])
+        tokens = torch.zeros(B, width, dtype=torch.long)
+        num = torch.zeros(B, dtype=torch.long)
+        need_q = any(c is not None and c[1] is not None for c in chosen)
+        q = None
+        if need_q:
+            V = next(c[1].shape[-1] for c in chosen if c is not None and c[1] is not None)
+            q = torch.zeros(B, width, V)
+        for b, c in enumerate(chosen):
+            if c is None:
+                self._used.pop(reqs[b].id, None)
+                continue
+            n = len(c[0])
+            tokens[b, :n], num[b] = c[0], n
+            if q is not None:  # token-only rows get their one-hot q written out
+                q[b, :n] = c[1] if c[1] is not None else torch.nn.functional.one_hot(c[0], q.shape[-1]).float()
+        return Proposal(tokens=tokens, num_draft=num, q=q)
+
+    def accept(self, req, n_accepted: int) -> None:
+        p = self._used.get(req.id)
+        for other in self.proposers:
+            if other is p:
+                other.accept(req, n_accepted)
+            elif hasattr(other, "skip"):
+                other.skip(req)
