@@ -287,7 +287,7 @@ void chunk(const TileArgs<typename W::T>& a, int64_t M, int np) {
 }  // namespace avx512
 #pragma GCC pop_options
 
-// x: [M, K] contiguous; packed: [P][K][NR]; bias: [N] or nullptr; out: [M, N].
+// x: [M, K] contiguous; packed: [U][K][KS]; bias: [N] or nullptr; out: [M, N].
 // chunk: the ISA's per-(unit, k-chunk) routine above.
 template <class T>
 void run(void (*chunk)(const TileArgs<T>&, int64_t, int), const float* x, int64_t M,
@@ -301,8 +301,8 @@ void run(void (*chunk)(const TileArgs<T>&, int64_t, int), const float* x, int64_
     std::vector<float> accbuf(static_cast<size_t>(UNIT) * M * NR);  // [UNIT][M][NR]
     float* acc = accbuf.data();
 
-    // Static schedule: each thread streams one contiguous run of panels,
-    // which is what the hardware prefetchers like best.  K is never split
+    // Static schedule: each thread streams one contiguous run of units,
+    // which is what the prefetchers like best.  K is never split
     // across threads (that would change the summation order).
 #pragma omp for schedule(static)
     for (int64_t u = 0; u < units; ++u) {
@@ -343,7 +343,7 @@ bool cpu_has_avx512() {
 int64_t best_isa() { return cpu_has_avx512() ? 512 : 2; }
 
 // out = x @ W^T (+ bias).  x: [..., K] fp32 CPU (any strides; copied if not
-// contiguous); packed: fp32 [P, K, NR] or int16 (bf16 bits) [P, K, NR];
+// contiguous); packed: fp32 or int16 (bf16 bits) units [U, K, KS];
 // returns [..., N] fp32.  Shapes are handled here rather than in Python
 // because each Python-side reshape/view costs ~0.7 us per call.
 // isa: 0 = best available, 2 = AVX2, 512 = AVX-512 (same results bit for bit).
