@@ -1,10 +1,11 @@
-"""Plain greedy decode: specdec against transformers' generate on SmolLM2-135M.
+"""Plain greedy decode: specdec against transformers' generate (default SmolLM2-135M).
 
 Same prompts, same thread count, runs alternate (ours, theirs, ours, ...) so machine noise hits
 both alike; medians over repeats. Also prints the verify-cost curve: one forward of k new tokens
 on a 256-token cache as a ratio to k = 1. Prints a table, then one JSON line.
 
-    .venv/bin/python benchmarks/plain_decode.py [--threads 2] [--tokens 64] [--repeats 3]
+    .venv/bin/python benchmarks/plain_decode.py [--model smollm2-135m] [--threads 2] [--tokens 64]
+        [--repeats 3]
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def hf_decode(model, ids, n):
     return (out.shape[1] - ids.shape[1] - 2) / dt
 
 
-def verify_curve(model, ks=(1, 2, 4, 6, 8, 16), ctx=256, repeats=7):
+def verify_curve(model, ks=(1, 2, 4, 5, 6, 8, 16), ctx=256, repeats=7):
     cache = model.new_cache(1, 1024)
     model.forward(torch.randint(0, 1000, (1, ctx)), torch.arange(ctx).view(1, -1), cache)
     cache.set_length(0, ctx)
@@ -59,6 +60,7 @@ def verify_curve(model, ks=(1, 2, 4, 6, 8, 16), ctx=256, repeats=7):
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
@@ -73,12 +75,12 @@ def main():
     from specdec.hub import model_path, resolve_model
 
     hf_logging.set_verbosity_error()
-    resolve_model("smollm2-135m")
+    resolve_model(a.model)
     t0 = time.perf_counter()
-    model, tok = load_model("smollm2-135m", device="cpu")
+    model, tok = load_model(a.model, device="cpu")
     load_s = time.perf_counter() - t0
     engine = Engine(model, tok, max_seq_len=1024)
-    p = model_path("smollm2-135m")
+    p = model_path(a.model)
     hf = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
     ours_decode(engine, tok, PROMPTS[0], 8)  # warm-up
     hf_decode(hf, torch.tensor([tok.encode_prompt(PROMPTS[0])]), 8)
@@ -89,7 +91,7 @@ def main():
             theirs.append(hf_decode(hf, torch.tensor([tok.encode_prompt(prompt)]), a.tokens))
     o, t = statistics.median(ours), statistics.median(theirs)
     curve = verify_curve(model)
-    print(f"SmolLM2-135M greedy decode, {a.threads} threads, {a.tokens} tokens, "
+    print(f"{a.model} greedy decode, {a.threads} threads, {a.tokens} tokens, "
           f"{len(ours)} runs each (median)")
     print(f"{'engine':<28}{'tok/s':>10}")
     print(f"{'specdec (plain)':<28}{o:>10.1f}")
@@ -99,7 +101,7 @@ def main():
     for k, (sec, r) in curve.items():
         print(f"  k={k:<3} {sec * 1e3:8.1f} ms  {r:5.2f}x")
     print(f"\nload time (converted cache): {load_s:.2f} s")
-    print(json.dumps({"benchmark": "plain_decode", "model": "smollm2-135m", "threads": a.threads,
+    print(json.dumps({"benchmark": "plain_decode", "model": a.model, "threads": a.threads,
                       "specdec_tok_s": o, "transformers_tok_s": t, "speedup": o / t,
                       "verify_cost_ratio": {str(k): r for k, (_, r) in curve.items()},
                       "load_s": load_s}))
