@@ -174,8 +174,42 @@ def bench_shape(n: int, k: int, ms, quick=False) -> tuple[dict, dict]:
     return res, read_gbs
 
 
+def model_curves(names, ks=(1, 2, 4, 5, 8, 16), ctx=256, repeats=7) -> dict:
+    """Whole-model forward(k) / forward(1) on a ctx-token cache: our kernel vs the torch path
+    (SPECDEC_KERNEL=torch), interleaved per repeat."""
+    from specdec.api import load_model
+
+    out = {}
+    for name in names:
+        model, _ = load_model(name, device="cpu")
+        cache = model.new_cache(1, 1024)
+        model.forward(torch.randint(0, 1000, (1, ctx)), torch.arange(ctx).view(1, -1), cache)
+        times = {(impl, k): [] for impl in ("ours", "torch") for k in ks}
+        for _ in range(repeats):
+            for impl in ("ours", "torch"):
+                os.environ["SPECDEC_KERNEL"] = "torch" if impl == "torch" else "auto"
+                for k in ks:
+                    toks = torch.randint(0, 1000, (1, k))
+                    t0 = time.perf_counter()
+                    model.forward(toks, torch.arange(ctx, ctx + k).view(1, -1), cache)
+                    times[(impl, k)].append(time.perf_counter() - t0)
+        os.environ["SPECDEC_KERNEL"] = "auto"
+        med = {key: statistics.median(v) for key, v in times.items()}
+        out[name] = {impl: {k: round(med[(impl, k)] / med[(impl, 1)], 3) for k in ks} for impl in ("ours", "torch")}
+        out[name]["ms_at_1"] = {impl: round(med[(impl, 1)] * 1e3, 1) for impl in ("ours", "torch")}
+        print(f"{name}: forward(1) ours {med[('ours', 1)] * 1e3:.1f} ms, torch {med[('torch', 1)] * 1e3:.1f} ms")
+        for impl in ("ours", "torch"):
+            print(f"  {impl:<6}" + "".join(f"  k={k}: {out[name][impl][k]:.2f}x" for k in ks))
+        del model, cache
+    print()
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="",
+                    help="comma-separated models for whole-model forward(k)/forward(1) curves, "
+                         "e.g. smollm2-135m,qwen2.5-coder-1.5b")
     ap.add_argument("--quick", action="store_true", help="big shapes only, fewer samples")
     ap.add_argument("--crossover", action="store_true", help="also M = 16..512 on big shapes")
     ap.add_argument("--isa", choices=("auto", "avx2"), default="auto",
@@ -253,6 +287,8 @@ def main():
                     print(f"  {name:<14}{impl:<10}" + "".join(f"  M={m}: {v:.2f}x" for m, v in sp.items()))
         print()
 
+    curves = model_curves([m for m in args.models.split(",") if m]) if args.models else {}
+
     wait_until_calm()
     bw1 = bandwidth()
     print("read bandwidth, 1 GiB fp32 (end):   "
@@ -265,7 +301,8 @@ def main():
                       "max_kernel_rows": kernels.MAX_KERNEL_ROWS, "contended": contended,
                       "bandwidth_gbs": {"start": {k_: round(v, 1) for k_, v in bw0.items()},
                                         "end": {k_: round(v, 1) for k_, v in bw1.items()}},
-                      "shapes": summary, "crossover_speedup": xo}, separators=(",", ":")))
+                      "shapes": summary, "crossover_speedup": xo,
+                      "model_forward_ratio": curves}, separators=(",", ":")))
 
 
 if __name__ == "__main__":

@@ -175,7 +175,8 @@ class Engine:
         B = len(reqs)
         ks = [self._budget(r) for r in reqs]
         t0 = time.perf_counter()
-        if self.proposer is not None and max(ks) > 0:
+        proposed = self.proposer is not None and max(ks) > 0
+        if proposed:
             prop = self.proposer.propose(reqs, ks)
             drafts, num_draft, q = prop.tokens, prop.num_draft, prop.q
         else:
@@ -214,7 +215,7 @@ class Engine:
             r.stats.record_round(nd_l[b], n_acc)
             # Target KV: committed tokens but the last. Drafts past the commit are rolled back.
             self.cache.set_length(r.row, min(L_b + n_acc, len(r.tokens) - 1))
-            if self.proposer is not None:
+            if proposed:  # a proposer is only told about rounds it was asked to draft for
                 self.proposer.accept(r, n_acc)
             r.decode_time += time.perf_counter() - t0
             events.append((r, self._stream_delta(r)))

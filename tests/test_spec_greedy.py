@@ -75,3 +75,20 @@ def test_plain_batched_equals_alone(smollm2, plain_outputs):
     engine = Engine(model, tok, max_seq_len=512, max_batch=4)
     alone = [engine.generate([i], SamplingParams(temperature=0.0, max_tokens=40))[0].output for i in ids]
     assert alone == plain
+
+
+def test_draft_state_does_not_leak_between_requests(smollm2):
+    """A row reused by a new request starts the draft from scratch, even when the new request's
+    first round drafts nothing (max_tokens=1): the draft's KV length never exceeds the tokens it
+    has really seen for this request."""
+    model, tok = smollm2
+    prop = DraftModelProposer(model, tok.vocab_size, 512)
+    engine = Engine(model, tok, prop, num_draft_tokens=4, max_seq_len=512)
+    long_ids = tok.encode_prompt("Tell me a long story about the sea and its creatures.")
+    engine.generate([long_ids], SamplingParams(temperature=0, max_tokens=20))
+    short = tok.encode_prompt("Hi")
+    engine.generate([short], SamplingParams(temperature=0, max_tokens=1))
+    req = engine.add_request(short, SamplingParams(temperature=0, max_tokens=12))
+    engine.step()
+    assert prop.cache.lengths[req.row] <= len(req.tokens)
+    engine.run()

@@ -41,6 +41,8 @@ class DraftModelProposer:
 
     def begin(self, req) -> None:
         self.cache.set_length(req.row, 0)
+        self._L.pop(req.row, None)  # rows are reused: forget the previous request's round
+        self._last_k.pop(req.row, None)
 
     def release(self, req) -> None:
         self.cache.set_length(req.row, 0)
@@ -135,6 +137,8 @@ class DraftModelProposer:
 
     def accept(self, req, n_accepted: int) -> None:
         """Keep KV for committed[:L] + the accepted drafts that were fed (at most k - 1)."""
+        if req.row not in self._L:
+            return
         L, k = self._L[req.row], self._last_k[req.row]
         keep = L + min(n_accepted, max(k - 1, 0))
         self.cache.set_length(req.row, min(keep, len(req.tokens)))
