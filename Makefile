@@ -24,7 +24,7 @@ demo: $(STAMP)
 	$(PY) -m specdec.cli models fetch qwen2.5-coder-1.5b
 	$(PY) -m specdec.cli models fetch qwen2.5-coder-0.5b
 	$(PY) -m specdec.cli generate --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \
-	    --num-draft-tokens 4 --temperature 0 --max-tokens 96 --threads 2 --stats \
+	    --num-draft-tokens 5 --temperature 0 --max-tokens 160 --threads 2 --stats \
 	    "Write a Python function that checks whether a string is a palindrome."
 
 test: $(STAMP)
