@@ -95,3 +95,32 @@ def test_negative_control_is_rejected(models, target_joint, control, monkeypatch
     counts = sample_engine(engine, PROMPT, PARAMS, N, BATCH, seed=1)
     stat, dof, p = chi_square(counts, target_joint)
     assert p < 1e-6, (control, stat, dof, p, lam)
+
+
+NGRAM_PROMPT = [1, 2, 3, 1, 2]
+
+
+def _ngram_engine(target):
+    from specdec.proposers import NgramProposer
+
+    engine = make_engine(target, None, 3, max_batch=BATCH, max_seq_len=32)
+    engine.proposer, engine.k = NgramProposer(1, 3), 3
+    return engine
+
+
+@pytest.mark.parametrize("control", [None, "redraw_from_p"])
+def test_ngram_one_hot_q_samples(models, control, monkeypatch):
+    """The n-gram proposer (one-hot q) through the real loop: passes; its redraw-from-p control
+    (lambda computed exactly as above, asserted >= 400) is rejected at p < 1e-6."""
+    target, _ = models
+    want = target_joint_exact(target, NGRAM_PROMPT, PARAMS)
+    if control:
+        CONTROLS[control](monkeypatch)
+        engine = _ngram_engine(target)
+        engine.reserve(1)
+        lam = noncentrality(N, engine_joint_exact(engine, NGRAM_PROMPT, PARAMS), want)
+        assert lam >= 400, lam
+    engine = _ngram_engine(target)
+    counts = sample_engine(engine, NGRAM_PROMPT, PARAMS, N, BATCH, seed=2)
+    stat, dof, p = chi_square(counts, want)
+    assert (p < 1e-6) if control else (p > 1e-3), (stat, dof, p)
