@@ -310,9 +310,12 @@ class Engine:
                     if on_event is not None and delta:
                         on_event(r, delta)
         finally:
-            for r in list(self.active):
-                self.active.remove(r)
-                self._release(r)
+            self._release_all()
+
+    def _release_all(self) -> None:
+        for r in list(self.active):
+            self.active.remove(r)
+            self._release(r)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  on_event=None) -> list[Request]:
@@ -331,7 +334,5 @@ class Engine:
                     if on_event is not None and delta:
                         on_event(r, delta)
         finally:  # an exception or an abandoned stream leaves no row half-used
-            for r in list(self.active):
-                self.active.remove(r)
-                self._release(r)
+            self._release_all()
         return done

@@ -87,10 +87,10 @@ class DraftModelProposer:
             if q_all is not None:
                 q_all[:, i] = q
             if i + 1 < k:
-                for b in range(B):
+                for b in range(B):  # penalties at position i + 1 also count d_i
                     if counts[b] is not None:
-                        counts[b] = sampling.prefix_counts(counts[b][0], counts[b][1], d[b:b + 1])
-                        counts[b] = (counts[b][0][1], counts[b][1][1])
+                        c, s = sampling.prefix_counts(counts[b][0], counts[b][1], d[b:b + 1])
+                        counts[b] = (c[1], s[1])
                 positions = torch.tensor([[L[b] + i] for b in range(B)], device=dev)
                 cur = self._forward(d.view(B, 1), positions, rows)[:, 0]
         for b, r in enumerate(reqs):  # KV now covers committed + d_1..d_{k-1} (where fed)
