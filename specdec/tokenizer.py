@@ -34,7 +34,6 @@ class Tokenizer:
         if eos_token in vocab:
             ids.add(vocab[eos_token])
         self.eos_token_ids = frozenset(ids)
-        self._vocab = vocab
 
     @staticmethod
     def load(path: Path) -> "Tokenizer":
@@ -56,9 +55,6 @@ class Tokenizer:
             return v.get("content") if isinstance(v, dict) else v
 
         return Tokenizer(tok, template, tok_str(cfg.get("eos_token")), tok_str(cfg.get("bos_token")))
-
-    def get_vocab(self) -> dict[str, int]:
-        return self._vocab
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
