@@ -1,4 +1,4 @@
-"""Command line: `specdec generate | models list | models fetch`.
+"""Command line: `specdec generate | models list | models fetch | verify | bench`.
 
 Bad input is one line on stderr naming the value and the allowed range, exit code 2, no traceback.
 """
@@ -67,6 +67,18 @@ def build_parser() -> argparse.ArgumentParser:
     msub.add_parser("list")
     f = msub.add_parser("fetch")
     f.add_argument("name")
+    from specdec import commands
+
+    v = sub.add_parser("verify", help="statistical test: is the output still exactly the target's?")
+    _add_model_args(v)
+    _add_spec_args(v)
+    _add_sampling_args(v)
+    commands.add_verify_args(v)
+    b = sub.add_parser("bench", help="tokens/s of speculative settings vs plain decoding (and transformers)")
+    _add_model_args(b)
+    _add_spec_args(b)
+    _add_sampling_args(b)
+    commands.add_bench_args(b)
     return ap
 
 
@@ -143,7 +155,10 @@ def cmd_models(a) -> int:
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     try:
-        return {"generate": cmd_generate, "models": cmd_models}[a.cmd](a)
+        from specdec import commands
+
+        return {"generate": cmd_generate, "models": cmd_models,
+                "verify": commands.cmd_verify, "bench": commands.cmd_bench}[a.cmd](a)
     except SpecdecError as e:
         print(f"specdec: error: {e}", file=sys.stderr)
         return 2
