@@ -78,7 +78,7 @@ class LLM:
                 from specdec.proposers.ngram import NgramProposer
 
                 proposer = NgramProposer(spec.ngram_min, spec.ngram_max)
-            if spec.proposer in ("draft", "composite") and spec.num_draft_tokens > 0:
+            if spec.proposer in ("draft", "composite") and spec.num_draft_tokens != 0:
                 from specdec.proposers import DraftModelProposer
                 from specdec.proposers.composite import CompositeProposer
 
@@ -90,7 +90,8 @@ class LLM:
                 proposer = dm if proposer is None else CompositeProposer([proposer, dm])
         self.engine = Engine(self.model, self.tokenizer, proposer,
                              self.spec.num_draft_tokens if self.spec else 0,
-                             max_batch=max_batch, max_seq_len=max_model_len, vocab_size=vocab)
+                             max_batch=max_batch, max_seq_len=max_model_len, vocab_size=vocab,
+                             max_draft_tokens=self.spec.max_draft_tokens if self.spec else 0)
         self.load_s = time.perf_counter() - t0
 
     def encode(self, prompt: str | list[int], raw: bool = False) -> list[int]:

@@ -28,13 +28,17 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None, help="draft model (name, GGUF or HF dir) for speculation")
     p.add_argument("--proposer", default=None,
-                   help="draft | ngram (default: draft when --draft is given; no speculation otherwise)")
+                   help="draft | ngram | composite (n-gram lookup first, the draft model when it "
+                        "finds nothing). Default: draft when --draft is given; no speculation otherwise")
     p.add_argument("--ngram-min", type=int, default=1, help="shortest suffix n-gram to match (default 1)")
     p.add_argument("--ngram-max", type=int, default=4, help="longest suffix n-gram to match (default 4)")
-    p.add_argument("--num-draft-tokens", type=int, default=4, help="draft tokens per round k (default 4)")
+    p.add_argument("--num-draft-tokens", default="auto",
+                   help="draft tokens per round k in [0, 32], or 'auto': each round picks k in "
+                        "[0, --max-draft-tokens] from measured acceptance and costs (default auto)")
+    p.add_argument("--max-draft-tokens", type=int, default=8, help="k_max for auto (default 8)")
     p.add_argument("--draft-sampling", default="probabilistic", choices=["probabilistic", "greedy"],
                    help="draft samples from q (probabilistic) or takes its argmax (one-hot q)")
-    p.add_argument("--draft-dtype", default="fp32", choices=["fp32", "bf16"],
+    p.add_argument("--draft-dtype", default="fp32", choices=["fp32", "bf16", "native"],
                    help="draft weight storage; never changes the output distribution, only acceptance")
 
 
@@ -110,6 +114,7 @@ def cmd_generate(a) -> int:
         from specdec.config import SpeculativeConfig
 
         spec = SpeculativeConfig(draft=a.draft, num_draft_tokens=a.num_draft_tokens,
+                                 max_draft_tokens=a.max_draft_tokens,
                                  draft_sampling=a.draft_sampling, draft_dtype=a.draft_dtype,
                                  proposer=a.proposer, ngram_min=a.ngram_min, ngram_max=a.ngram_max)
     progress = (lambda s: print(s, file=sys.stderr, flush=True))

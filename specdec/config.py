@@ -136,6 +136,7 @@ class SamplingParams:
 
 
 MAX_DRAFT_TOKENS = 32
+DEFAULT_MAX_DRAFT_TOKENS = 8  # k_max of adaptive k: past ~8 the verify cost grows (kernels bench)
 DRAFT_SAMPLING = ("probabilistic", "greedy")
 PROPOSERS = ("draft", "ngram", "composite")
 
@@ -145,7 +146,8 @@ class SpeculativeConfig:
     """Which proposer drafts tokens and how many per round."""
 
     draft: str | None = None  # model name or path of a draft model
-    num_draft_tokens: int = 4
+    num_draft_tokens: int | str = "auto"  # k per round, or "auto": adaptive k in [0, max_draft_tokens]
+    max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS  # k_max for "auto"
     draft_sampling: str = "probabilistic"  # how the draft samples its tokens: q = full or one-hot
     draft_dtype: str = "fp32"
     proposer: str | None = None  # draft | ngram | composite (n-gram first, then the draft model);
@@ -163,10 +165,29 @@ class SpeculativeConfig:
         from specdec.proposers.ngram import check_ngram_range
 
         check_ngram_range(self.ngram_min, self.ngram_max)
-        if not isinstance(self.num_draft_tokens, int):
+        self.num_draft_tokens = parse_num_draft_tokens(self.num_draft_tokens)
+        if isinstance(self.max_draft_tokens, bool) or not isinstance(self.max_draft_tokens, int):
             raise SpecdecError(
-                f"num_draft_tokens={self.num_draft_tokens!r} must be an integer in [0, {MAX_DRAFT_TOKENS}]")
-        check_range("num_draft_tokens", self.num_draft_tokens, 0, MAX_DRAFT_TOKENS)
+                f"max_draft_tokens={self.max_draft_tokens!r} must be an integer in [0, {MAX_DRAFT_TOKENS}]")
+        check_range("max_draft_tokens", self.max_draft_tokens, 0, MAX_DRAFT_TOKENS)
         if self.draft_sampling not in DRAFT_SAMPLING:
             raise SpecdecError(
                 f"draft_sampling={self.draft_sampling!r}; allowed: {', '.join(DRAFT_SAMPLING)}")
+
+
+def parse_num_draft_tokens(value) -> int | str:
+    """k as the user wrote it: an integer in [0, MAX_DRAFT_TOKENS], or "auto" (adaptive)."""
+    if isinstance(value, str):
+        v = value.strip().lower()
+        if v == "auto":
+            return "auto"
+        try:
+            value = int(v)
+        except ValueError:
+            raise SpecdecError(f"num_draft_tokens={value!r} must be 'auto' or an integer in "
+                               f"[0, {MAX_DRAFT_TOKENS}]") from None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecdecError(
+            f"num_draft_tokens={value!r} must be 'auto' or an integer in [0, {MAX_DRAFT_TOKENS}]")
+    check_range("num_draft_tokens", value, 0, MAX_DRAFT_TOKENS)
+    return value

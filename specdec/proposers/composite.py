@@ -67,7 +67,8 @@ class CompositeProposer:
             tokens[b, :n], num[b] = c[0], n
             if q is not None:  # token-only rows get their one-hot q written out
                 q[b, :n] = c[1] if c[1] is not None else torch.nn.functional.one_hot(c[0], q.shape[-1]).float()
-        return Proposal(tokens=tokens, num_draft=num, q=q)
+        source = [self._used[r.id].name if r.id in self._used else self.name for r in reqs]
+        return Proposal(tokens=tokens, num_draft=num, q=q, source=source)
 
     def accept(self, req, n_accepted: int) -> None:
         p = self._used.get(req.id)

@@ -1,0 +1,218 @@
+"""Choosing k, the number of draft tokens per round: fixed, or adaptive per request.
+
+Adaptive k (`num_draft_tokens="auto"`) picks, each round and for each request, the k in
+[0, k_max] that maximises expected committed tokens per second:
+
+    E[tokens | k] = 1 + sum_{j=1..k} prod_{i=1..j} alpha_i
+    cost(k)       = t_target(B, k + 1) + t_draft(k)
+    k*            = argmax_k E[tokens | k] / cost(k)          (k = 0 is plain decoding)
+
+alpha_i is the request's running estimate of P(draft i accepted | drafts 1..i-1 accepted): a
+Beta-smoothed ratio of decayed counts (accepted at i / reached i), started from the engine-wide
+pool so a new request inherits what earlier requests taught. Counts decay every round, also in
+rounds that drafted nothing, so a request that dropped to k = 0 drifts back toward the prior and
+probes again: the estimate cannot lock itself out.
+
+The costs are measured, not assumed: `CostCurve` keeps an exponential moving average of the
+observed seconds per round for each forward width (target: per batch size B and T = k + 1;
+draft: per k) and interpolates between measured widths. On this CPU t_target(T) is far from flat
+for some backends, so it matters that the curve is the machine's own.
+
+Losslessness: k is chosen from the past only (committed tokens, earlier acceptances, clocks),
+never from the current round's draws, so every round is an ordinary speculative round with some
+k and the output distribution is the target's whatever k is (tests/test_statistical.py checks
+it through the engine with adaptive k and its negative control).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+PRIOR_ALPHA = 0.6  # prior acceptance per position before anything is observed
+PRIOR_STRENGTH = 2.0  # pseudo-observations behind the prior (and behind the pooled estimate)
+DECAY = 0.92  # per-round forgetting: ~12 rounds of memory, so regime changes are followed
+EMA = 0.25  # weight of a new cost observation
+DRAFT_PRIOR_C = 0.3  # draft cost per token, as a fraction of one target forward, until measured
+VERIFY_PRIOR_SLOPE = 0.05  # target cost per extra verified token, same units, until measured
+
+
+def expected_tokens(alphas: list[float], k: int) -> float:
+    """Committed tokens of a round with k drafts: accepted prefix + 1 recovered/bonus token."""
+    total, run = 1.0, 1.0
+    for i in range(k):
+        run *= alphas[i]
+        total += run
+    return total
+
+
+class CostCurve:
+    """Seconds per round as a function of an integer width, from measurements (EMA per width).
+
+    estimate(w) interpolates linearly between measured widths and extrapolates with the slope of
+    the two nearest measured ones (or `prior_slope` * the nearest value if only one is known)."""
+
+    def __init__(self, prior_slope: float):
+        self.prior_slope = prior_slope
+        self.seen: dict[int, float] = {}
+
+    def observe(self, width: int, seconds: float) -> None:
+        old = self.seen.get(width)
+        if old is not None:
+            seconds = min(seconds, 3 * old)  # one stall (GC, another process) is not a trend
+        self.seen[width] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+
+    def estimate(self, width: int) -> float | None:
+        if not self.seen:
+            return None
+        if width in self.seen:
+            return self.seen[width]
+        ws = sorted(self.seen)
+        lo = [w for w in ws if w < width]
+        hi = [w for w in ws if w > width]
+        if lo and hi:
+            a, b = lo[-1], hi[0]
+            t = (width - a) / (b - a)
+            return self.seen[a] * (1 - t) + self.seen[b] * t
+        near = lo[-2:] if lo else hi[:2]
+        if len(near) == 2:
+            (a, b) = near
+            slope = max((self.seen[b] - self.seen[a]) / (b - a), 0.0)
+        else:
+            slope = self.prior_slope * self.seen[near[0]]
+        base = near[-1] if lo else near[0]
+        return max(self.seen[base] + slope * (width - base), 0.0)
+
+
+@dataclass
+class _Acceptance:
+    """Decayed counts per draft position: reached[i] (drafts 1..i-1 were accepted, i proposed)
+    and accepted[i]."""
+
+    reached: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+
+    def decay(self) -> None:
+        self.reached = [x * DECAY for x in self.reached]
+        self.accepted = [x * DECAY for x in self.accepted]
+
+    def observe(self, num_draft: int, n_accepted: int) -> None:
+        reached = min(num_draft, n_accepted + 1)  # positions checked: accepted ones + first reject
+        while len(self.reached) < reached:
+            self.reached.append(0.0)
+            self.accepted.append(0.0)
+        for i in range(reached):
+            self.reached[i] += 1
+            self.accepted[i] += float(i < n_accepted)
+
+    def alphas(self, k: int, prior: list[float]) -> list[float]:
+        out = []
+        for i in range(k):
+            r = self.reached[i] if i < len(self.reached) else 0.0
+            a = self.accepted[i] if i < len(self.accepted) else 0.0
+            out.append((a + PRIOR_STRENGTH * prior[i]) / (r + PRIOR_STRENGTH))
+        return out
+
+
+class FixedK:
+    """The same k every round (the budget near max_tokens / the context limit still cuts it)."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self.k_max = k
+
+    def choose(self, req, batch_size: int, limit: int) -> int:
+        return min(self.k, limit)
+
+    def begin(self, req) -> None:
+        pass
+
+    def release(self, req) -> None:
+        pass
+
+    def observe_round(self, req, num_draft: int, n_accepted: int) -> None:
+        pass
+
+    def observe_target(self, batch_size: int, width: int, seconds: float) -> None:
+        pass
+
+    def observe_draft(self, k: int, seconds: float) -> None:
+        pass
+
+
+class AdaptiveK:
+    """Per-request k in [0, k_max] maximising expected committed tokens per second (see above).
+
+    cost: optional fixed cost model `cost(batch_size, k) -> seconds` (tests use one to make the
+    choice depend only on acceptance); by default costs are measured online."""
+
+    def __init__(self, k_max: int, cost=None):
+        self.k_max = k_max
+        self.cost = cost
+        self.target: dict[int, CostCurve] = {}  # batch size -> curve over T = k + 1
+        self.draft = CostCurve(prior_slope=1.0)  # over k; t_draft(0) = 0 is observed for free
+        self.draft.observe(0, 0.0)
+        self.pool = _Acceptance()  # engine-wide, seeds new requests
+        self.state: dict[int, _Acceptance] = {}  # request id -> its own counts
+        self.chosen = Counter()
+
+    def begin(self, req) -> None:
+        self.state[req.id] = _Acceptance()
+
+    def release(self, req) -> None:
+        self.state.pop(req.id, None)
+
+    def _prior(self, k: int) -> list[float]:
+        return self.pool.alphas(k, [PRIOR_ALPHA] * k) if k else []
+
+    def _round_cost(self, batch_size: int, k: int) -> float:
+        if self.cost is not None:
+            return self.cost(batch_size, k)
+        curve = self.target.get(batch_size)
+        t1 = curve.estimate(1) if curve else None
+        if t1 is None:  # nothing measured for this batch size: borrow the closest one's
+            others = [c.estimate(1) for c in self.target.values()]
+            t1 = min(others) if others else 1.0
+        tt = curve.estimate(k + 1) if curve else None
+        if tt is None:
+            tt = t1 * (1 + VERIFY_PRIOR_SLOPE * k)
+        td = self.draft.estimate(k) if len(self.draft.seen) > 1 else DRAFT_PRIOR_C * t1 * k
+        return tt + td
+
+    def choose(self, req, batch_size: int, limit: int) -> int:
+        kmax = min(self.k_max, limit)
+        if kmax <= 0:
+            return 0
+        alphas = self.state[req.id].alphas(kmax, self._prior(kmax))
+        best_k, best = 0, -1.0
+        for k in range(kmax + 1):
+            rate = expected_tokens(alphas, k) / max(self._round_cost(batch_size, k), 1e-12)
+            if rate > best * (1 + 1e-9):  # ties go to the smaller k
+                best_k, best = k, rate
+        self.chosen[best_k] += 1
+        return best_k
+
+    def observe_round(self, req, num_draft: int, n_accepted: int) -> None:
+        st = self.state.get(req.id)
+        if st is None:
+            return
+        st.decay()
+        if num_draft:
+            st.observe(num_draft, n_accepted)
+            self.pool.observe(num_draft, n_accepted)
+
+    def observe_target(self, batch_size: int, width: int, seconds: float) -> None:
+        """Once per round (so also where the pool forgets: per round, not per request)."""
+        self.pool.decay()
+        self.target.setdefault(batch_size, CostCurve(VERIFY_PRIOR_SLOPE)).observe(width, seconds)
+
+    def observe_draft(self, k: int, seconds: float) -> None:
+        if k > 0:
+            self.draft.observe(k, seconds)
+
+
+def k_policy(num_draft_tokens: int | str, max_draft_tokens: int, cost=None):
+    """FixedK for an int, AdaptiveK(max_draft_tokens) for "auto"."""
+    if num_draft_tokens == "auto":
+        return AdaptiveK(max_draft_tokens, cost)
+    return FixedK(int(num_draft_tokens))

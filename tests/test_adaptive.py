@@ -1,0 +1,180 @@
+"""Adaptive k: the choice rule on literal inputs, greedy equivalence in every proposer mode, and
+that k really moves with the acceptance it observes.
+
+Losslessness at T > 0 with adaptive k is in tests/test_statistical.py (same chi-square test and
+redraw-from-p control as for fixed k).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import tiny_model
+from specdec.adaptive import AdaptiveK, CostCurve, FixedK, expected_tokens, k_policy
+from specdec.config import SamplingParams
+from specdec.engine import Engine
+from specdec.proposers import DraftModelProposer, NgramProposer
+from specdec.proposers.composite import CompositeProposer
+
+
+def test_expected_tokens_equals_enumeration():
+    """E[committed] = sum over n (accepted drafts) of (n + 1) P(n): a round stops at the first
+    rejection, P(n) = alpha_1 .. alpha_n (1 - alpha_{n+1}), and P(k) = alpha_1 .. alpha_k."""
+    alphas = [0.9, 0.5, 0.7, 0.2]
+    for k in range(5):
+        total = 0.0
+        for n in range(k + 1):
+            p = 1.0
+            for i in range(n):
+                p *= alphas[i]
+            if n < k:
+                p *= 1 - alphas[n]
+            total += p * (n + 1)
+        assert expected_tokens(alphas, k) == pytest.approx(total)
+    assert expected_tokens([1.0] * 4, 4) == 5 and expected_tokens([0.0] * 4, 4) == 1
+
+
+def test_cost_curve_interpolates_and_extrapolates():
+    c = CostCurve(prior_slope=0.1)
+    assert c.estimate(3) is None
+    c.observe(1, 10.0)
+    assert c.estimate(1) == 10.0
+    assert c.estimate(3) == pytest.approx(10.0 + 0.1 * 10.0 * 2)  # one point: the prior slope
+    c.observe(5, 14.0)
+    assert c.estimate(3) == pytest.approx(12.0)  # between two measured widths: linear
+    assert c.estimate(7) == pytest.approx(16.0)  # past them: the slope of the last two
+    c.observe(5, 1000.0)  # a stall is clipped to 3x the current value before averaging
+    assert c.estimate(5) == pytest.approx(0.75 * 14.0 + 0.25 * 42.0)
+
+
+class _Req:
+    def __init__(self, i):
+        self.id = i
+
+
+def _flat_cost(draft_per_token):
+    return lambda batch, k: 1.0 + draft_per_token * k  # target forward = 1, draft c per token
+
+
+def test_choice_follows_acceptance():
+    """Everything accepted -> k_max; everything rejected -> 0 (plain decoding pays more);
+    with a free draft even poor acceptance is worth a draft or two."""
+    pol = AdaptiveK(8, cost=_flat_cost(0.3))
+    good, bad = _Req(1), _Req(2)
+    pol.begin(good)
+    pol.begin(bad)
+    for _ in range(30):
+        pol.observe_round(good, 8, 8)
+        pol.observe_round(bad, 4, 0)
+    assert pol.choose(good, 1, 8) == 8
+    assert pol.choose(bad, 1, 8) == 0
+    assert pol.choose(good, 1, 3) == 3  # the budget cuts it
+    free = AdaptiveK(8, cost=lambda b, k: 1.0)
+    r = _Req(3)
+    free.begin(r)
+    for _ in range(30):
+        free.observe_round(r, 4, 0)
+    assert free.choose(r, 1, 8) >= 1  # any alpha > 0 gains when drafting and verifying are free
+
+
+def test_rejected_request_probes_again():
+    """Counts decay every round, also rounds that drafted nothing (the request's own and the
+    engine-wide pool that seeds it), so k = 0 is not absorbing."""
+    pol = AdaptiveK(8, cost=_flat_cost(0.3))
+    r = _Req(1)
+    pol.begin(r)
+    for _ in range(30):
+        pol.observe_round(r, 4, 0)
+    assert pol.choose(r, 1, 8) == 0
+    rounds = 0
+    while pol.choose(r, 1, 8) == 0:
+        pol.observe_round(r, 0, 0)
+        pol.observe_target(1, 1, 1.0)  # the engine reports every round's target forward
+        rounds += 1
+        assert rounds < 100
+    assert rounds >= 5  # but not right away
+
+
+def test_measured_costs_drive_the_choice():
+    """Without a fixed cost model the curves come from observed seconds: an expensive draft
+    (c = 2 per token) makes drafting lose even at alpha = 0.6; a cheap one makes it win."""
+    for per_token, want_zero in [(2.0, True), (0.05, False)]:
+        pol = AdaptiveK(6)
+        r = _Req(1)
+        pol.begin(r)
+        for k in range(1, 7):
+            pol.observe_target(1, k + 1, 1.0 + 0.02 * k)
+            pol.observe_draft(k, per_token * k)
+        pol.observe_target(1, 1, 1.0)
+        for _ in range(40):
+            pol.observe_round(r, 5, 3)  # ~0.6-0.75 per position
+        assert (pol.choose(r, 1, 6) == 0) == want_zero
+
+
+def test_k_policy():
+    assert isinstance(k_policy(3, 8), FixedK) and k_policy(3, 8).choose(None, 1, 2) == 2
+    assert isinstance(k_policy("auto", 8), AdaptiveK)
+
+
+# ---- greedy equivalence: adaptive k never changes greedy output --------------------------------
+CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
+
+
+@pytest.fixture(scope="module")
+def prompts_and_plain(smollm2):
+    model, tok = smollm2
+    prompts = [tok.encode_prompt(f"Repeat this code exactly, then add a mul function:\n{CODE}"),
+               tok.encode_prompt("Name three colours."),
+               tok.encode_prompt("Write a haiku about autumn leaves.")]
+    params = SamplingParams(temperature=0, max_tokens=40)
+    plain = Engine(model, tok, max_seq_len=512, max_batch=3).generate(prompts, params)
+    return prompts, params, [r.output for r in plain]
+
+
+def _proposer(kind, model, tok):
+    if kind == "ngram":
+        return NgramProposer(1, 4)
+    draft = tiny_model(seed=5, vocab=model.args.vocab_size, dim=32, layers=1, max_seq_len=1024)
+    if kind == "draft-self":
+        return DraftModelProposer(model, tok.vocab_size, 512)
+    if kind == "draft-random":
+        return DraftModelProposer(draft, tok.vocab_size, 512)
+    return CompositeProposer([NgramProposer(1, 4), DraftModelProposer(model, tok.vocab_size, 512)])
+
+
+@pytest.mark.parametrize("kind", ["ngram", "draft-self", "draft-random", "composite"])
+@pytest.mark.parametrize("batched", [False, True])
+def test_adaptive_greedy_equals_plain(smollm2, prompts_and_plain, kind, batched):
+    model, tok = smollm2
+    prompts, params, plain = prompts_and_plain
+    eng = Engine(model, tok, _proposer(kind, model, tok), num_draft_tokens="auto", max_seq_len=512,
+                 max_batch=3, max_draft_tokens=8)
+    if batched:
+        got = [r.output for r in eng.generate(prompts, params)]
+    else:
+        got = [eng.generate([p], params)[0].output for p in prompts]
+    assert got == plain
+
+
+def test_adaptive_k_moves_with_acceptance_and_cost(smollm2):
+    """With the draft's cost fixed low, a self-draft (everything accepted) gets long k and a
+    random draft (everything rejected) mostly k = 0; with this machine's measured costs too the
+    random draft mostly gets k = 0. (A self-draft under measured costs is a near-tie, c ~ 1:
+    2 tokens for ~2 forwards, so no assertion is made about it.)"""
+    model, tok = smollm2
+    params = SamplingParams(temperature=0, max_tokens=48)
+    ids = tok.encode_prompt("Write a haiku about autumn leaves.")
+
+    def chosen(kind, k_cost):
+        eng = Engine(model, tok, _proposer(kind, model, tok), num_draft_tokens="auto", max_seq_len=512,
+                     max_draft_tokens=6, k_cost=k_cost)
+        h = eng.generate([ids], params)[0].stats.chosen_k
+        return h, sum(k * n for k, n in h.items()) / sum(h.values())
+
+    cheap = lambda batch, k: 1.0 + 0.05 * k  # noqa: E731
+    h_self, mean_self = chosen("draft-self", cheap)
+    h_rand, mean_rand = chosen("draft-random", cheap)
+    h_meas, mean_meas = chosen("draft-random", None)
+    assert mean_self >= 4, h_self
+    assert mean_rand <= 1, h_rand
+    assert mean_meas <= 1.5, h_meas
