@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from dataclasses import dataclass
 
 import torch
@@ -10,12 +11,12 @@ import torch
 from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.engine import Engine
 from specdec.errors import SpecdecError
-from specdec.hub import DEFAULT_MODEL, resolve_model
+from specdec.hub import DEFAULT_MODEL, REGISTRY, model_path, resolve_model
 from specdec.model import Transformer
 from specdec.tokenizer import Tokenizer
-from specdec.weights import load_hf_dir
+from specdec.weights import load_hf_dir, read_gguf_native
 
-DTYPES = ("fp32", "bf16")
+DTYPES = ("fp32", "bf16", "native")  # native: the GGUF's own quantised blocks
 
 
 def default_device() -> str:
@@ -32,7 +33,13 @@ def load_model(name: str, dtype: str = "fp32", device: str | None = None, progre
     if device == "cuda" and not torch.cuda.is_available():
         raise SpecdecError("device='cuda' but no CUDA device is available; use --device cpu")
     path = resolve_model(name, progress)
-    args, state = load_hf_dir(path)
+    if dtype == "native":  # weights straight from the GGUF file, still quantised
+        gguf = model_path(name) if name in REGISTRY else Path(name).expanduser()
+        if gguf.suffix.lower() != ".gguf":
+            raise SpecdecError(f"dtype='native' needs a GGUF model (registry name or .gguf file), got {name!r}")
+        args, state = read_gguf_native(gguf)
+    else:
+        args, state = load_hf_dir(path)
     tok = Tokenizer.load(path)
     return Transformer(args, state, dtype=dtype, device=device), tok
 

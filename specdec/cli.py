@@ -17,8 +17,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"registry name, GGUF file or HF directory (default: {DEFAULT_MODEL})")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
-                   help="target weight storage; bf16 rounds the target's weights, so it CHANGES the "
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "native"],
+                   help="target weight storage; bf16 rounds the target's weights and native runs the "
+                        "GGUF's own quantised blocks with int8 activations, so both CHANGE the "
                         "model whose distribution is reproduced (default: fp32)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")

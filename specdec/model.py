@@ -63,31 +63,34 @@ class Transformer:
         self.weight_dtype = dtype
         a = args
 
-        def t(name):
-            return state[name].to(self.device, torch.float32)
+        def t(name):  # fp32 on device; a GGUF-quantised tensor ("native") is dequantised
+            w = state[name]
+            return (w.dequantize() if isinstance(w, kernels.QuantTensor) else w).to(self.device, torch.float32)
 
-        def prep(w):
-            return kernels.prepare_weight(w.contiguous(), dtype)
+        def prep(*names):  # row blocks of one (fused) weight, prepared for kernels.linear
+            ws = [state[n] for n in names]
+            if all(isinstance(w, kernels.QuantTensor) for w in ws):  # "native": stays quantised
+                return kernels.prepare_quant(ws)
+            w = torch.cat([t(n) for n in names], 0) if len(names) > 1 else t(names[0])
+            return kernels.prepare_weight(w.contiguous(), "fp32" if dtype == "native" else dtype)
 
         self.embed = t("model.embed_tokens.weight")  # [V, dim]
         self.layers: list[LayerWeights] = []
         for i in range(a.n_layers):
             p = f"model.layers.{i}."
-            wqkv = torch.cat([t(p + f"self_attn.{n}_proj.weight") for n in "qkv"], 0)
             bqkv = (torch.cat([t(p + f"self_attn.{n}_proj.bias") for n in "qkv"], 0)
                     if a.qkv_bias else None)
-            gate_up = torch.cat([t(p + "mlp.gate_proj.weight"), t(p + "mlp.up_proj.weight")], 0)
             self.layers.append(LayerWeights(
                 attn_norm=t(p + "input_layernorm.weight"),
-                wqkv=prep(wqkv), bqkv=bqkv,
-                wo=prep(t(p + "self_attn.o_proj.weight")),
+                wqkv=prep(*(p + f"self_attn.{n}_proj.weight" for n in "qkv")), bqkv=bqkv,
+                wo=prep(p + "self_attn.o_proj.weight"),
                 ffn_norm=t(p + "post_attention_layernorm.weight"),
-                w_gate_up=prep(gate_up),
-                w_down=prep(t(p + "mlp.down_proj.weight")),
+                w_gate_up=prep(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                w_down=prep(p + "mlp.down_proj.weight"),
             ))
         self.norm = t("model.norm.weight")
-        head = self.embed if a.tie_embeddings or "lm_head.weight" not in state else t("lm_head.weight")
-        self.lm_head = prep(head)
+        tied = a.tie_embeddings or "lm_head.weight" not in state
+        self.lm_head = prep("model.embed_tokens.weight" if tied else "lm_head.weight")
         cos, sin = rope_tables(a.head_dim, a.max_seq_len + 64, a.rope_theta)
         self.cos, self.sin = cos.to(self.device), sin.to(self.device)
 
@@ -139,7 +142,7 @@ class Transformer:
             vc[row_idx, :, positions] = v.transpose(1, 2)
             keys = kc[rows_slice, :, :S]  # [B, Hkv, S, D]
             values = vc[rows_slice, :, :S]
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, enable_gqa=True)
+            o = kernels.attention(q, keys, values, allowed)  # batch-invariant rows
             o = o.transpose(1, 2).reshape(B, T, H * D)
             x = x + kernels.linear(o, lw.wo)
             h = rms_norm(x, lw.ffn_norm, a.norm_eps)

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,7 @@ import torch
 
 from specdec.config import ModelArgs
 from specdec.errors import SpecdecError
+from specdec.kernels.quant import QUANT_TYPES, QuantTensor
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
@@ -76,11 +78,8 @@ def _field(reader, key, default=None):
     return f.contents()
 
 
-def read_gguf(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
-    """Dequantise a GGUF into (ModelArgs, fp32 state dict with Hugging Face names)."""
-    from gguf.quants import dequantize
-
-    reader = _open_gguf(path)
+def _gguf_args(reader, path: Path) -> tuple[ModelArgs, dict]:
+    """(ModelArgs, {gguf tensor name: ReaderTensor}) from a GGUF's metadata."""
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHS:
         raise SpecdecError(f"unsupported architecture {arch!r} in {path}; supported: {', '.join(SUPPORTED_ARCHS)}")
@@ -100,6 +99,14 @@ def read_gguf(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
         max_seq_len=int(g("context_length", 2048)), tie_embeddings="output.weight" not in tensors,
         qkv_bias="blk.0.attn_q.bias" in tensors,
     )
+    return args, tensors
+
+
+def _gguf_tensors(path: Path, convert) -> tuple[ModelArgs, dict]:
+    """Map each GGUF tensor to its Hugging Face name through convert(name, tensor, shape [N, K]),
+    then undo llama.cpp's q/k row permutation for the llama architecture (rows are independent
+    in every block format, so this works on quantised rows too)."""
+    args, tensors = _gguf_args(_open_gguf(path), path)
     state = {}
     for name, t in tensors.items():
         hf = _gguf_name_to_hf(name)
@@ -109,15 +116,43 @@ def read_gguf(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
             raise SpecdecError(f"unsupported tensor type {t.tensor_type.name} for {name} in {path}; "
                                f"supported: {', '.join(SUPPORTED_TYPES)}")
         try:
-            w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+            w = convert(name, t, tuple(int(s) for s in reversed(t.shape)))
         except Exception as e:
-            raise SpecdecError(f"cannot dequantise {name} ({t.tensor_type.name}) in {path}: "
+            raise SpecdecError(f"cannot read {name} ({t.tensor_type.name}) in {path}: "
                                f"corrupt or truncated file ({e})") from None
-        w = w.reshape(tuple(int(s) for s in reversed(t.shape)))
-        if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
-            w = _unpermute(w, n_heads if "attn_q" in name else n_kv)
-        state[hf] = torch.from_numpy(np.array(w, dtype=np.float32, order="C"))  # owns its memory
+        if args.arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = args.n_heads if "attn_q" in name else args.n_kv_heads
+            w = (replace(w, raw=np.ascontiguousarray(_unpermute(w.raw, heads)))
+                 if isinstance(w, QuantTensor) else _unpermute(w, heads))
+        state[hf] = w
     return args, state
+
+
+def read_gguf(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
+    """Dequantise a GGUF into (ModelArgs, fp32 state dict with Hugging Face names)."""
+    from gguf.quants import dequantize
+
+    def convert(name, t, shape):
+        return dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
+
+    args, state = _gguf_tensors(path, convert)
+    return args, {k: torch.from_numpy(np.array(w, dtype=np.float32, order="C"))  # owns its memory
+                  for k, w in state.items()}
+
+
+def read_gguf_native(path: Path) -> tuple[ModelArgs, dict]:
+    """A GGUF's tensors as stored, straight from the file: (ModelArgs, {HF name: QuantTensor for
+    the block-quantised matrices the kernel runs (kernels.QUANT_TYPES), fp32 tensor otherwise})."""
+    from gguf.quants import dequantize
+
+    def convert(name, t, shape):
+        if t.tensor_type.name in QUANT_TYPES and len(shape) == 2:  # [N, bytes per row], file-backed
+            return QuantTensor(t.tensor_type.name, np.asarray(t.data).reshape(shape[0], -1), shape)
+        return dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
+
+    args, state = _gguf_tensors(Path(path), convert)
+    return args, {k: w if isinstance(w, QuantTensor) else torch.from_numpy(np.array(w, dtype=np.float32))
+                  for k, w in state.items()}
 
 
 def _gguf_tokenizer(path: Path, out_dir: Path) -> None:

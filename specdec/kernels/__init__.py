@@ -29,8 +29,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-__all__ = ["PreparedWeight", "prepare_weight", "linear", "kernel_available", "kernel_isa",
-           "build", "MAX_KERNEL_ROWS", "NR"]
+from specdec.kernels import quant
+
+__all__ = ["PreparedWeight", "prepare_weight", "prepare_quant", "QuantTensor", "linear", "attention",
+           "kernel_available", "kernel_isa", "build", "MAX_KERNEL_ROWS", "NR"]
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +141,32 @@ def _build_dir() -> Path:
     return Path(os.environ.get("SPECDEC_CACHE", "~/.cache/specdec")).expanduser() / "ext"
 
 
+def _load_extension(name: str, sources: list[str], verbose: bool = False):
+    """Compile/load one C++ extension from this folder (cached on disk); None on failure."""
+    try:
+        from torch.utils import cpp_extension
+
+        # ninja lives next to the interpreter in a venv that was not activated.
+        bindir = os.path.dirname(sys.executable)
+        if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+        bdir = _build_dir() / name
+        bdir.mkdir(parents=True, exist_ok=True)
+        return cpp_extension.load(
+            name=name,
+            sources=[str(_SRC.with_name(s)) for s in sources],
+            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(bdir),
+            verbose=verbose,
+        )
+    except Exception as e:  # noqa: BLE001 -- any build failure means "fall back"
+        lines = str(e).strip().splitlines()
+        log.warning("specdec.kernels: %s build failed, using the torch fallback: %s",
+                    name, lines[-1] if lines else type(e).__name__)
+        return None
+
+
 def build(verbose: bool = False):
     """Compile/load the extension (cached on disk); returns it, or None on failure."""
     global _ext, _build_tried
@@ -148,28 +176,7 @@ def build(verbose: bool = False):
     if not _cpu_has_avx2_fma():
         log.warning("specdec.kernels: CPU lacks AVX2+FMA; using the torch fallback")
         return None
-    try:
-        from torch.utils import cpp_extension
-
-        # ninja lives next to the interpreter in a venv that was not activated.
-        bindir = os.path.dirname(sys.executable)
-        if bindir not in os.environ.get("PATH", "").split(os.pathsep):
-            os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-        bdir = _build_dir()
-        bdir.mkdir(parents=True, exist_ok=True)
-        _ext = cpp_extension.load(
-            name="specdec_linear",
-            sources=[str(_SRC)],
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(bdir),
-            verbose=verbose,
-        )
-    except Exception as e:  # noqa: BLE001 -- any build failure means "fall back"
-        lines = str(e).strip().splitlines()
-        log.warning("specdec.kernels: extension build failed, using the torch fallback: %s",
-                    lines[-1] if lines else type(e).__name__)
-        _ext = None
+    _ext = _load_extension("specdec_linear", ["linear.cpp"], verbose)
     return _ext
 
 
@@ -197,9 +204,15 @@ def _use_kernel(x: torch.Tensor, m: int, mode: str | None = None) -> bool:
             and x.is_cpu and not x.requires_grad and (_ext is not None or kernel_available()))
 
 
-def linear(x: torch.Tensor, w: PreparedWeight,
+prepare_quant = quant.prepare_quant
+QuantTensor = quant.QuantTensor
+
+
+def linear(x: torch.Tensor, w: PreparedWeight | quant.QuantWeight,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """y[..., N] = x[..., K] @ W^T (+ bias), like F.linear on the prepared weight."""
+    if isinstance(w, quant.QuantWeight):
+        return quant.linear(x, w, bias)
     k = w.k
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features, weight expects {k}")
@@ -210,6 +223,21 @@ def linear(x: torch.Tensor, w: PreparedWeight,
         return _ext.linear(x, w.packed, bias, w.n, torch.get_num_threads(),
                            2 if mode == "avx2" else 0)  # isa 0: best available
     return F.linear(x, w.dense, bias)
+
+
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+              allowed: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D) | allowed) v, each query row computed on its own (attention.cpp):
+    a row's bits do not depend on how many rows or key slots share the call, which greedy
+    speculative == plain decoding needs under --dtype native.  F.scaled_dot_product_attention
+    where the extension cannot run (or SPECDEC_KERNEL=torch).
+
+    q [B, H, T, D]; keys, values [B, Hkv, S, D]; allowed [B, 1, T, S] bool -> [B, H, T, D].
+    """
+    if (os.environ.get("SPECDEC_KERNEL") != "torch" and q.is_cpu and q.dtype == torch.float32
+            and keys.stride(-1) == 1 and values.stride(-1) == 1 and quant._qext() is not None):
+        return quant._ext.attention(q, keys, values, allowed, torch.get_num_threads())
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, enable_gqa=True)
 
 
 def _kernel_linear(x: torch.Tensor, w: PreparedWeight,

@@ -1,10 +1,13 @@
-"""`python -m specdec.kernels`: build the C++ extension now and say whether it is usable."""
+"""`python -m specdec.kernels`: build the C++ extensions now and say whether they are usable."""
 
 import logging
 
 from . import _build_dir, build
+from .quant import _qext
 
 logging.basicConfig(level=logging.WARNING, format="%(message)s")
 ok = build() is not None
-print(f"specdec.kernels: extension {'available' if ok else 'NOT available (torch fallback)'}"
+qok = ok and _qext() is not None
+print(f"specdec.kernels: extension {'available' if ok else 'NOT available (torch fallback)'}, "
+      f"quantised extension {'available' if qok else 'NOT available (torch fallback)'}"
       f" [cache: {_build_dir()}]")

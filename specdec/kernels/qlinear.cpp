@@ -1,0 +1,503 @@
+// Few-row matmul on GGUF-quantised weights: out[M, N] = x[M, K] @ W[N, K]^T (+ bias),
+// with W kept in its GGUF block format (repacked, still quantised) and x quantised
+// to int8 per 32-element block, so the inner loop is an integer dot product.
+//
+// Why int8 activations: with fp32 activations every weight costs M FMAs after it
+// is dequantised, and at 4-6 bits per weight the FMAs, not the bytes, set the
+// time from M ~ 2 on.  maddubs multiplies 32 byte pairs per instruction, so one
+// decoded weight vector serves M rows at ~2 instructions per row.
+//
+// Math (exact integers, then fp32): per weight sub-block b (16 or 32 k) the
+// GGUF formats all dequantise as w = ws[n,b] * q + wm[n,b] with q a small
+// unsigned (signed for Q8_0) integer; x[m, k] ~ dx[m, B] * xq[m, k] with
+// xq in [-127, 127] and B the 32-block holding k.  Then
+//   y[m, n] = sum_b  ws * (dx * I) + wm * (dx * S),   I = sum q * xq,  S = sum xq
+// I and S are exact int32 sums; the float steps per sub-block are, in this
+// order: t = float(I) * dx; acc = fma(ws, t, acc); acc = fma(wm, dxS, acc)
+// (dxS = dx * float(S), computed once per row and block).  Each output's
+// chain runs over b in order from 0.0f, then "+ bias"; it depends only on
+// row m's own data, never on M, the row grouping or the thread split: row m
+// of an M-row call is bit-identical to the row computed alone.
+//
+// Layout (built by quant.py): per format, outputs are padded to panels of 16,
+// and each panel is a sequence of records, one per RK k (RK = 32, or 256 for
+// the K-quants): [scales | low plane | high plane].
+//   low plane, per k-step of 4 k: 32 bytes; byte 4j+i holds k-step element i
+//     of output j (low nibble) and of output 8+j (high nibble).  8-bit
+//     formats: 64 bytes, outputs 0-7 then 8-15.  So one 32-bit lane = one
+//     output x 4 k, and maddubs + madd against a broadcast 4-byte x gives
+//     each output's partial dot product in its own lane, no shuffles.
+//   high plane (5-bit: 1 bit, 6-bit: 2 bits per weight): 32-byte vectors whose
+//     byte p holds, for 4 (5-bit) or 2 (6-bit) consecutive k-steps, the high
+//     bits of byte p of the low-nibble (field 2t) and high-nibble (field 2t+1)
+//     halves; field f occupies bits [f*b, f*b + b).
+//   scales: the format's own fp16 / 6-bit / int8 scale fields, unchanged in
+//     value, reordered to 16 outputs per vector (see quant.py).
+// Two implementations: AVX2 (+F16C; maddubs/madd, what Zen 3 runs) and AVX-512 VNNI
+// (vpdpbusd), chosen at run time.  Integer sums are exact and the fp32 epilogue is
+// the same per-lane code, so both give the same bits.
+
+#include <torch/extension.h>
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int NR = 16;  // outputs per panel
+
+enum Fmt : int { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q5_0 = 3, Q4_K = 4, Q6_K = 5 };
+
+template <int F>
+struct Traits;
+// rk: k per record; sb: k per scale sub-block; bits: weight code width;
+// sbytes: scale bytes per record; has_m: wm != 0.
+template <> struct Traits<Q8_0> { static constexpr int rk = 32, sb = 32, bits = 8, sbytes = 32; static constexpr bool has_m = false; };
+template <> struct Traits<Q4_0> { static constexpr int rk = 32, sb = 32, bits = 4, sbytes = 32; static constexpr bool has_m = true; };
+template <> struct Traits<Q4_1> { static constexpr int rk = 32, sb = 32, bits = 4, sbytes = 64; static constexpr bool has_m = true; };
+template <> struct Traits<Q5_0> { static constexpr int rk = 32, sb = 32, bits = 5, sbytes = 32; static constexpr bool has_m = true; };
+template <> struct Traits<Q4_K> { static constexpr int rk = 256, sb = 32, bits = 4, sbytes = 320; static constexpr bool has_m = true; };
+template <> struct Traits<Q6_K> { static constexpr int rk = 256, sb = 16, bits = 6, sbytes = 288; static constexpr bool has_m = true; };
+
+template <int F>
+constexpr int lo_bytes() { return Traits<F>::rk / 4 * (Traits<F>::bits == 8 ? 64 : 32); }
+template <int F>
+constexpr int hi_bytes() {
+  return Traits<F>::bits == 5 ? Traits<F>::rk * 2 : Traits<F>::bits == 6 ? Traits<F>::rk * 4 : 0;
+}
+template <int F>
+constexpr int rec_bytes() { return Traits<F>::sbytes + lo_bytes<F>() + hi_bytes<F>(); }
+
+inline __m256 h2f(const uint8_t* p) {  // 8 fp16 -> fp32 (exact)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 u8f(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 i8f(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Scale fields of one record -> ws, wm [nsub][16] fp32, with the same fp32
+// products the gguf package's dequantize forms (d * sc, dmin * m).
+template <int F>
+inline void scales(const uint8_t* s, float* ws, float* wm) {
+  for (int h = 0; h < 2; ++h) {
+    const int o = 8 * h;
+    if constexpr (F == Q8_0 || F == Q4_0 || F == Q5_0) {
+      const __m256 d = h2f(s + 2 * o);
+      _mm256_storeu_ps(ws + o, d);
+      const float off = F == Q4_0 ? -8.f : -16.f;
+      _mm256_storeu_ps(wm + o, _mm256_mul_ps(d, _mm256_set1_ps(off)));  // exact: power of 2
+    } else if constexpr (F == Q4_1) {
+      _mm256_storeu_ps(ws + o, h2f(s + 2 * o));
+      _mm256_storeu_ps(wm + o, h2f(s + 32 + 2 * o));
+    } else if constexpr (F == Q4_K) {
+      const __m256 d = h2f(s + 2 * o), dmin = h2f(s + 32 + 2 * o);
+      const __m256 neg = _mm256_set1_ps(-0.0f);
+      for (int j = 0; j < 8; ++j) {
+        _mm256_storeu_ps(ws + j * NR + o, _mm256_mul_ps(d, u8f(s + 64 + j * NR + o)));
+        _mm256_storeu_ps(wm + j * NR + o,
+                         _mm256_xor_ps(_mm256_mul_ps(dmin, u8f(s + 192 + j * NR + o)), neg));
+      }
+    } else {  // Q6_K
+      const __m256 d = h2f(s + 2 * o);
+      for (int j = 0; j < 16; ++j) {
+        const __m256 w = _mm256_mul_ps(d, i8f(s + 32 + j * NR + o));
+        _mm256_storeu_ps(ws + j * NR + o, w);
+        _mm256_storeu_ps(wm + j * NR + o, _mm256_mul_ps(w, _mm256_set1_ps(-32.f)));
+      }
+    }
+  }
+}
+
+inline __m256i shift16(__m256i v, int sh) {
+  return sh >= 0 ? _mm256_slli_epi16(v, sh) : _mm256_srli_epi16(v, -sh);
+}
+
+// Weight codes of k-step s (of the record) for outputs 0-7 (w0) and 8-15 (w1).
+template <int F>
+inline void decode(const uint8_t* lo, const uint8_t* hi, int s, __m256i& w0, __m256i& w1) {
+  constexpr int bits = Traits<F>::bits;
+  if constexpr (bits == 8) {
+    w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + s * 64));
+    w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + s * 64 + 32));
+  } else {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + s * 32));
+    w0 = _mm256_and_si256(v, m4);
+    w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    if constexpr (bits == 5 || bits == 6) {
+      constexpr int g = bits == 5 ? 4 : 2;  // k-steps per high-plane vector
+      constexpr int b = bits - 4;           // high bits per weight
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + (s / g) * 32));
+      const __m256i mask = _mm256_set1_epi8(static_cast<char>(((1 << b) - 1) << 4));
+      const int f0 = 2 * (s % g);  // field of w0; w1's is f0 + 1
+      w0 = _mm256_or_si256(w0, _mm256_and_si256(shift16(h, 4 - f0 * b), mask));
+      w1 = _mm256_or_si256(w1, _mm256_and_si256(shift16(h, 4 - (f0 + 1) * b), mask));
+    }
+  }
+}
+
+// Quantised activations: xq [M, K] int8, s32, dx, dxs32 [M, K/32], dxs16 [M, K/16].
+struct Act {
+  const int8_t* xq;
+  const int32_t* s32;  // [M, K/32] sum of xq per block (the AVX-512 path's Q8_0 correction)
+  const float* dx;
+  const float* dxs32;
+  const float* dxs16;
+  int64_t K;
+};
+
+// The fp32 steps of one sub-block for R rows, from the integer sums c[r] (16 lanes each,
+// written by either ISA as two 8-lane halves): the same operations per lane on both ISAs.
+template <int F, int R>
+inline void epilogue(const int32_t (*c)[NR], const Act& a, int64_t m0, int64_t kb,
+                     const float* ws, const float* wm, float* acc) {
+  constexpr int sb = Traits<F>::sb;
+  const int64_t n32 = a.K / 32, n16 = a.K / 16;
+  for (int h = 0; h < 2; ++h) {
+    const __m256 wsv = _mm256_loadu_ps(ws + 8 * h), wmv = _mm256_loadu_ps(wm + 8 * h);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + r;
+      float* o = acc + m * NR + 8 * h;
+      const __m256 dx = _mm256_set1_ps(a.dx[m * n32 + kb / 32]);
+      const __m256i ci = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c[r] + 8 * h));
+      __m256 v = _mm256_fmadd_ps(wsv, _mm256_mul_ps(_mm256_cvtepi32_ps(ci), dx), _mm256_loadu_ps(o));
+      if constexpr (Traits<F>::has_m)
+        v = _mm256_fmadd_ps(wmv, _mm256_set1_ps(sb == 32 ? a.dxs32[m * n32 + kb / 32]
+                                                         : a.dxs16[m * n16 + kb / 16]), v);
+      _mm256_storeu_ps(o, v);
+    }
+  }
+}
+
+// R rows x one sub-block j of a record: integer dot products, then the fp32 steps.
+template <int F, int R>
+inline void sub_block(const uint8_t* lo, const uint8_t* hi, int j, const Act& a, int64_t m0,
+                      int64_t kb, const float* ws, const float* wm, float* acc) {
+  constexpr int sb = Traits<F>::sb, ns = sb / 4;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i c[R][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) c[r][0] = c[r][1] = _mm256_setzero_si256();
+  const int8_t* x = a.xq + m0 * a.K + kb;  // kb: this sub-block's first k
+#pragma GCC unroll 8
+  for (int t = 0; t < ns; ++t) {
+    __m256i w0, w1;
+    decode<F>(lo, hi, j * ns + t, w0, w1);
+    __m256i u0 = w0, u1 = w1;
+    if constexpr (F == Q8_0) {  // maddubs wants unsigned x signed: |w| x sign(x, w)
+      u0 = _mm256_abs_epi8(w0);
+      u1 = _mm256_abs_epi8(w1);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      int32_t x4;
+      std::memcpy(&x4, x + r * a.K + 4 * t, 4);
+      const __m256i xb = _mm256_set1_epi32(x4);
+      __m256i p0, p1;
+      if constexpr (F == Q8_0) {
+        p0 = _mm256_maddubs_epi16(u0, _mm256_sign_epi8(xb, w0));
+        p1 = _mm256_maddubs_epi16(u1, _mm256_sign_epi8(xb, w1));
+      } else {  // codes <= 63, |xq| <= 127: pair sums <= 16002, no saturation
+        p0 = _mm256_maddubs_epi16(u0, xb);
+        p1 = _mm256_maddubs_epi16(u1, xb);
+      }
+      c[r][0] = _mm256_add_epi32(c[r][0], _mm256_madd_epi16(p0, ones));
+      c[r][1] = _mm256_add_epi32(c[r][1], _mm256_madd_epi16(p1, ones));
+    }
+  }
+  alignas(32) int32_t ci[R][NR];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    _mm256_store_si256(reinterpret_cast<__m256i*>(ci[r]), c[r][0]);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(ci[r] + 8), c[r][1]);
+  }
+  epilogue<F, R>(ci, a, m0, kb, ws, wm, acc);
+}
+
+template <int F, int R>
+struct Avx2Rows {  // one record, R <= 5 rows
+  static void run(const uint8_t* lo, const uint8_t* hi, const Act& a, int64_t m0, int64_t k0,
+                  const float* ws, const float* wm, float* acc) {
+    constexpr int nsub = Traits<F>::rk / Traits<F>::sb;
+    for (int j = 0; j < nsub; ++j)
+      sub_block<F, R>(lo, hi, j, a, m0, k0 + j * Traits<F>::sb, ws + j * NR, wm + j * NR, acc);
+  }
+};
+
+// ============================ AVX-512 VNNI ==================================
+// Same layout, same integer sums (exact), same per-lane fp32 epilogue: the bits equal the
+// AVX2 path's.  One zmm holds 16 outputs x 4 k; vpdpbusd adds the four u8 x s8 products of
+// each lane into int32 without int16 saturation.  Q8_0 codes are signed, so they are offset
+// to u8 (w + 128) and 128 * sum(xq) is subtracted from each block's integer sum.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")
+namespace avx512 {
+
+template <int F>
+inline __m512i decode(const uint8_t* lo, const uint8_t* hi, int s) {
+  constexpr int bits = Traits<F>::bits;
+  if constexpr (bits == 8) {
+    return _mm512_xor_si512(_mm512_loadu_si512(lo + s * 64), _mm512_set1_epi8(static_cast<char>(0x80)));
+  } else {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + s * 32));
+    const __m512i vz = _mm512_inserti64x4(_mm512_castsi256_si512(v), v, 1);
+    const __m512i cnt = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    __m512i w = _mm512_and_si512(_mm512_srlv_epi16(vz, cnt), _mm512_set1_epi8(0x0F));
+    if constexpr (bits == 5 || bits == 6) {
+      constexpr int g = bits == 5 ? 4 : 2, b = bits - 4;
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + (s / g) * 32));
+      const __m512i hz = _mm512_inserti64x4(_mm512_castsi256_si512(h), h, 1);
+      const int f0 = 2 * (s % g);
+      const __m512i hc = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(f0 * b)),
+                                            _mm256_set1_epi16((f0 + 1) * b), 1);
+      const __m512i hb = _mm512_and_si512(_mm512_srlv_epi16(hz, hc), _mm512_set1_epi8((1 << b) - 1));
+      w = _mm512_or_si512(w, _mm512_slli_epi16(hb, 4));  // fields <= 3: no carry across bytes
+    }
+    return w;
+  }
+}
+
+template <int F, int R>
+struct Rows {  // one record, R <= 8 rows
+  static void run(const uint8_t* lo, const uint8_t* hi, const Act& a, int64_t m0, int64_t k0,
+                  const float* ws, const float* wm, float* acc) {
+    constexpr int sb = Traits<F>::sb, ns = sb / 4, nsub = Traits<F>::rk / sb;
+    for (int j = 0; j < nsub; ++j) {
+      const int64_t kb = k0 + j * sb;
+      __m512i c[R];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) c[r] = _mm512_setzero_si512();
+      const int8_t* x = a.xq + m0 * a.K + kb;
+#pragma GCC unroll 8
+      for (int t = 0; t < ns; ++t) {
+        const __m512i w = decode<F>(lo, hi, j * ns + t);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          int32_t x4;
+          std::memcpy(&x4, x + r * a.K + 4 * t, 4);
+          c[r] = _mm512_dpbusd_epi32(c[r], w, _mm512_set1_epi32(x4));
+        }
+      }
+      alignas(64) int32_t ci[R][NR];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        if constexpr (F == Q8_0)
+          c[r] = _mm512_sub_epi32(c[r], _mm512_set1_epi32(128 * a.s32[(m0 + r) * (a.K / 32) + kb / 32]));
+        _mm512_store_si512(ci[r], c[r]);
+      }
+      epilogue<F, R>(ci, a, m0, kb, ws + j * NR, wm + j * NR, acc);
+    }
+  }
+};
+
+}  // namespace avx512
+#pragma GCC pop_options
+
+
+// One panel (16 outputs) for all M rows: acc [M][16] = the panel's sums.
+// Rows: the ISA's record routine for groups of <= MR rows.
+template <int F, template <int, int> class Rows, int MR>
+void panel(const uint8_t* p, int64_t nrec, const Act& a, int64_t M, float* acc) {
+  constexpr int rb = rec_bytes<F>(), nsub = Traits<F>::rk / Traits<F>::sb;
+  std::memset(acc, 0, sizeof(float) * M * NR);
+  alignas(32) float ws[nsub * NR], wm[nsub * NR];
+  const int64_t ng = (M + MR - 1) / MR;
+  for (int64_t rec = 0; rec < nrec; ++rec) {
+    const uint8_t* s = p + rec * rb;
+    // One sequential stream per thread; fetch 8 KiB ahead (past the end is harmless).
+    for (int off = 0; off < rb; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(s + 8192 + off), _MM_HINT_T0);
+    scales<F>(s, ws, wm);
+    const uint8_t* lo = s + Traits<F>::sbytes;
+    const uint8_t* hi = lo + lo_bytes<F>();
+    const int64_t k0 = rec * Traits<F>::rk;
+    // Near-equal row groups (16 -> 4+4+4+4 on AVX2, 8+8 on AVX-512): grouping never
+    // changes a row's sums.
+    for (int64_t g = 0; g < ng; ++g) {
+      const int64_t m0 = g * M / ng, r = (g + 1) * M / ng - m0;
+      switch (r) {
+        case 1: Rows<F, 1>::run(lo, hi, a, m0, k0, ws, wm, acc); break;
+        case 2: Rows<F, 2>::run(lo, hi, a, m0, k0, ws, wm, acc); break;
+        case 3: Rows<F, 3>::run(lo, hi, a, m0, k0, ws, wm, acc); break;
+        case 4: Rows<F, 4>::run(lo, hi, a, m0, k0, ws, wm, acc); break;
+        case 5: Rows<F, 5>::run(lo, hi, a, m0, k0, ws, wm, acc); break;
+        case 6: Rows<F, MR >= 6 ? 6 : 1>::run(lo, hi, a, m0, k0, ws, wm, acc); break;
+        case 7: Rows<F, MR >= 7 ? 7 : 1>::run(lo, hi, a, m0, k0, ws, wm, acc); break;
+        default: Rows<F, MR >= 8 ? 8 : 1>::run(lo, hi, a, m0, k0, ws, wm, acc); break;
+      }
+    }
+  }
+}
+
+using PanelFn = void (*)(const uint8_t*, int64_t, const Act&, int64_t, float*);
+
+template <int F>
+PanelFn panel_for(bool wide) {
+  return wide ? &panel<F, avx512::Rows, 8> : &panel<F, Avx2Rows, 5>;
+}
+
+PanelFn panel_fn(int64_t fmt, bool wide) {
+  switch (fmt) {
+    case Q8_0: return panel_for<Q8_0>(wide);
+    case Q4_0: return panel_for<Q4_0>(wide);
+    case Q4_1: return panel_for<Q4_1>(wide);
+    case Q5_0: return panel_for<Q5_0>(wide);
+    case Q4_K: return panel_for<Q4_K>(wide);
+    case Q6_K: return panel_for<Q6_K>(wide);
+    default: TORCH_CHECK(false, "unknown quant format ", fmt);
+  }
+}
+
+bool cpu_has_avx512_vnni() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+                         __builtin_cpu_supports("avx512vnni");
+  return ok;
+}
+
+// Instruction set used for isa=0 (auto): 512 (AVX-512 VNNI) or 2 (AVX2).
+int64_t best_isa() { return cpu_has_avx512_vnni() ? 512 : 2; }
+
+int64_t record_bytes(int64_t fmt) {
+  switch (fmt) {
+    case Q8_0: return rec_bytes<Q8_0>();
+    case Q4_0: return rec_bytes<Q4_0>();
+    case Q4_1: return rec_bytes<Q4_1>();
+    case Q5_0: return rec_bytes<Q5_0>();
+    case Q4_K: return rec_bytes<Q4_K>();
+    case Q6_K: return rec_bytes<Q6_K>();
+    default: TORCH_CHECK(false, "unknown quant format ", fmt);
+  }
+}
+
+int64_t record_k(int64_t fmt) { return fmt == Q4_K || fmt == Q6_K ? 256 : 32; }
+
+// x [M, K] fp32 -> int8 blocks of 32: d = amax / 127, xq = round_half_even(x * (127 / amax)).
+// quant.py's torch fallback does the same fp32 operations (same bits).
+void quantise_rows(const float* x, int64_t M, int64_t K, int8_t* xq, int32_t* s32, float* dx,
+                   float* dxs32, float* dxs16) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < K / 32; ++b) {
+      const float* v = x + m * K + b * 32;
+      float amax = 0.f;
+      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
+      const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+      int s[2] = {0, 0};
+      for (int i = 0; i < 32; ++i) {
+        const int q = static_cast<int>(std::nearbyint(v[i] * id));
+        xq[m * K + b * 32 + i] = static_cast<int8_t>(q);
+        s[i / 16] += q;
+      }
+      dx[m * (K / 32) + b] = d;
+      s32[m * (K / 32) + b] = s[0] + s[1];
+      dxs32[m * (K / 32) + b] = d * static_cast<float>(s[0] + s[1]);
+      dxs16[m * (K / 16) + 2 * b] = d * static_cast<float>(s[0]);
+      dxs16[m * (K / 16) + 2 * b + 1] = d * static_cast<float>(s[1]);
+    }
+}
+
+// out[..., sum(ns)] = x[..., K] @ [W_0; W_1; ...]^T (+ bias): the segments are
+// row blocks of one fused weight (e.g. q, k, v), each in its own format.
+torch::Tensor qlinear(const torch::Tensor& x_in, const std::vector<torch::Tensor>& packed,
+                      const std::vector<int64_t>& fmts, const std::vector<int64_t>& ns,
+                      const c10::optional<torch::Tensor>& bias, int64_t nthreads, int64_t isa) {
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == torch::kFloat32 && x_in.dim() >= 1,
+              "x must be a fp32 CPU tensor [..., K]");
+  const int64_t K = x_in.size(-1);
+  TORCH_CHECK(K > 0 && K % 32 == 0, "K must be a positive multiple of 32, got ", K);
+  TORCH_CHECK(packed.size() == fmts.size() && packed.size() == ns.size() && !packed.empty(),
+              "one format and size per segment");
+  if (isa == 0) isa = best_isa();
+  TORCH_CHECK(isa == 2 || (isa == 512 && cpu_has_avx512_vnni()),
+              "isa must be 0 (auto), 2 (AVX2) or 512 (AVX-512 VNNI, if the CPU has it)");
+  std::vector<PanelFn> fns;
+  std::vector<int64_t> nrec, off{0}, pstart{0};
+  for (size_t i = 0; i < packed.size(); ++i) {
+    const auto& t = packed[i];
+    const int64_t P = (ns[i] + NR - 1) / NR, nr = K / record_k(fmts[i]);
+    TORCH_CHECK(t.scalar_type() == torch::kUInt8 && t.is_contiguous() && t.dim() == 3 &&
+                    t.size(0) == P && t.size(1) == nr && t.size(2) == record_bytes(fmts[i]),
+                "segment ", i, ": packed weight must be uint8 [", P, ", ", nr, ", ",
+                record_bytes(fmts[i]), "]");
+    fns.push_back(panel_fn(fmts[i], isa == 512));
+    nrec.push_back(nr);
+    off.push_back(off.back() + ns[i]);
+    pstart.push_back(pstart.back() + P);
+  }
+  const int64_t N = off.back(), panels = pstart.back();
+  const torch::Tensor x = x_in.contiguous();
+  const int64_t M = x.numel() / K;
+  const float* bp = nullptr;
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->numel() == N, "bias must be fp32 [N]");
+    b = bias->contiguous();
+    bp = b.data_ptr<float>();
+  }
+  std::vector<int64_t> sizes = x_in.sizes().vec();
+  sizes.back() = N;
+  auto out = torch::empty(sizes, x.options());
+  if (M == 0) return out;
+  std::vector<int8_t> xq(M * K);
+  std::vector<int32_t> s32(M * K / 32);
+  std::vector<float> dx(M * K / 32), dxs32(M * K / 32), dxs16(M * K / 16);
+  quantise_rows(x.data_ptr<float>(), M, K, xq.data(), s32.data(), dx.data(), dxs32.data(), dxs16.data());
+  const Act a{xq.data(), s32.data(), dx.data(), dxs32.data(), dxs16.data(), K};
+  float* op = out.data_ptr<float>();
+  const int nt = static_cast<int>(std::max<int64_t>(1, nthreads));
+#pragma omp parallel num_threads(nt)
+  {
+    std::vector<float> acc(M * NR);
+    size_t seg = 0;
+    // Static schedule: each thread streams one contiguous run of panels.
+#pragma omp for schedule(static)
+    for (int64_t gp = 0; gp < panels; ++gp) {
+      while (gp >= pstart[seg + 1]) ++seg;
+      while (gp < pstart[seg]) --seg;
+      const int64_t p = gp - pstart[seg];
+      const auto* base = packed[seg].data_ptr<uint8_t>();
+      fns[seg](base + p * nrec[seg] * record_bytes(fmts[seg]), nrec[seg], a, M, acc.data());
+      const int64_t n0 = off[seg] + p * NR;
+      const int nv = static_cast<int>(std::min<int64_t>(NR, off[seg + 1] - n0));
+      for (int64_t m = 0; m < M; ++m) {
+        const float* s = acc.data() + m * NR;
+        float* o = op + m * N + n0;
+        if (bp) {
+          for (int j = 0; j < nv; ++j) o[j] = s[j] + bp[n0 + j];
+        } else {
+          std::memcpy(o, s, sizeof(float) * nv);
+        }
+      }
+    }
+  }
+  return out;
+}
+
+std::vector<int64_t> layout(int64_t fmt) { return {record_k(fmt), record_bytes(fmt)}; }
+
+}  // namespace
+
+torch::Tensor invariant_attention(const torch::Tensor& q, const torch::Tensor& k,
+                                  const torch::Tensor& v, const torch::Tensor& allowed,
+                                  int64_t nthreads);  // attention.cpp
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "specdec few-row linear on GGUF-quantised weights (AVX2, int8 activations)";
+  m.def("qlinear", &qlinear, "out = x @ [W_0; W_1; ...]^T (+ bias), W quantised and repacked",
+        py::arg("x"), py::arg("packed"), py::arg("fmts"), py::arg("ns"), py::arg("bias"),
+        py::arg("nthreads"), py::arg("isa") = 0);
+  m.def("best_isa", &best_isa, "ISA used for isa=0: 512 (AVX-512 VNNI) or 2 (AVX2)");
+  m.def("attention", &invariant_attention, "batch-invariant attention (see attention.cpp)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("allowed"), py::arg("nthreads"));
+  m.def("layout", &layout, "(k per record, bytes per panel record) of a format");
+}

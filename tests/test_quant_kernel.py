@@ -1,0 +1,248 @@
+"""specdec.kernels.quant: GGUF-quantised weights in the few-row matmul.
+
+What is checked, and why the tolerances are right:
+* Repacking loses nothing: `unpack(pack(blocks))` equals `gguf.quants.dequantize(blocks)` bit
+  for bit, for every supported block type, on random blocks (every code and scale bit pattern;
+  the fp16 scale fields are set to finite values) and on real rows of SmolLM2-135M.
+* The kernel computes exactly "GGUF weights x int8 activation blocks": against a float64
+  reference built from the same integers (x^ = dx * xq from `quantise_activations`, w = ws * q +
+  wm with the format's fp32 scales), the only differences are the kernel's own fp32 roundings:
+  per 16/32-element sub-block one product and two FMAs per output, so with nsub sub-blocks
+  |y - y64| <= (3 nsub + 2) u sum_k |x^_k| (|ws q_k| + |wm|)  (u = 2^-24, gamma bound).  A
+  mis-decoded bit is off by at least |ws * x^| ~ 1e-2 relative, orders above this.
+* Against F.linear on the dequantised fp32 weight with the *unquantised* x, the difference is
+  the activation rounding, |x - x^| <= dx / 2 per element, so
+  |y - F.linear(x, W)| <= sum_b (dx_b / 2) sum_{k in b} |W_k| + the fp32 term above.
+  That is the model change `--dtype native` makes (the target is the model as this kernel
+  computes it), stated as a bound rather than a measured constant.
+* Batch invariance is exact: each row of an M-row call (M = 1..16, and 40) is torch.equal to the
+  row computed alone, with 1 and 2 threads (and the AVX-512 path, where the CPU has it).
+* The torch fallback (SPECDEC_KERNEL=torch) computes the same math: it quantises x to the same
+  bits as the kernel and then multiplies in fp32, so it agrees within the fp32 bound.
+"""
+
+from __future__ import annotations
+
+import platform
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import specdec.kernels as K
+from specdec.kernels import quant as Q
+
+U = 2.0**-24
+TYPES = list(Q.QUANT_TYPES)
+F16_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q4_K": [0, 2], "Q6_K": [208]}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _auto_dispatch():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("SPECDEC_KERNEL", raising=False)
+        yield
+
+
+def have_kernel() -> bool:
+    ok = K.kernel_available() and Q._qext() is not None
+    if platform.machine().lower() in ("x86_64", "amd64") and K._cpu_has_avx2_fma():
+        assert ok, "quantised C++ kernel failed to build on an AVX2+FMA x86 CPU"
+    return ok
+
+
+def random_blocks(qtype: str, n: int, k: int, seed: int, scale: float = 0.02) -> Q.QuantTensor:
+    """Random GGUF blocks: random bytes (every code/scale pattern), finite fp16 scale fields."""
+    f = Q.QUANT_TYPES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n, k // f.block, f.tsize), dtype=np.uint8)
+    for off in F16_FIELDS[qtype]:
+        d = (rng.standard_normal((n, k // f.block)) * scale).astype(np.float16)
+        raw[..., off:off + 2] = d.view(np.uint8).reshape(n, k // f.block, 2)
+    return Q.QuantTensor(qtype, raw.reshape(n, -1), (n, k))
+
+
+def exact_terms(qt: Q.QuantTensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """float64 (W = ws * q + wm exactly, |ws q| + |wm|, sub-blocks per row) as the kernel sees W."""
+    n, k = qt.shape
+    f = Q.QUANT_TYPES[qt.qtype]
+    q, fields = Q._decode_blocks(qt)
+    fl = [torch.from_numpy(a.astype(np.float32)) for a in fields]  # fp32 scales, as the kernel forms
+    if qt.qtype == "Q4_K":
+        ws, wm = fl[0] * fl[2], -(fl[1] * fl[3])
+    elif qt.qtype == "Q6_K":
+        ws = fl[0] * fl[1]
+        wm = -32 * ws
+    elif qt.qtype == "Q4_1":
+        ws, wm = fl
+    else:
+        ws = fl[0]
+        wm = {"Q8_0": 0, "Q4_0": -8, "Q5_0": -16}[qt.qtype] * ws
+    codes = torch.from_numpy(q.view(np.int8) if qt.qtype == "Q8_0" else q).double().view(n, -1, f.sb)
+    ws, wm = ws.double().reshape(n, -1, 1), wm.double().reshape(n, -1, 1)
+    w = (ws * codes + wm).view(n, k)
+    a = ((ws * codes).abs() + wm.abs()).view(n, k)
+    return w, a, k // f.sb
+
+
+def check_against_exact(y: torch.Tensor, x: torch.Tensor, qt: Q.QuantTensor, bias=None) -> None:
+    w, a, nsub = exact_terms(qt)
+    xh = Q.quantise_activations(x).double()
+    y64 = xh @ w.T + (0 if bias is None else bias.double())
+    tol = (3 * nsub + 2) * U * (xh.abs() @ a.T + (0 if bias is None else bias.double().abs()))
+    err = (y.double() - y64).abs()
+    assert (err <= tol + 1e-30).all(), float((err - tol).max())
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_unpack_equals_gguf_dequantize(qtype):
+    f = Q.QUANT_TYPES[qtype]
+    for n, k, seed in [(16, f.rk, 0), (37, 3 * f.rk, 1), (1, 2 * f.rk, 2)]:
+        qt = random_blocks(qtype, n, k, seed)
+        got = Q.unpack(Q.pack(qt), qtype, n)
+        assert torch.equal(got, qt.dequantize()), (n, k)
+
+
+def test_unpack_equals_gguf_on_real_rows():
+    """Real SmolLM2-135M rows (Q4_1 matrices, Q8_0 embedding) round-trip bit for bit."""
+    from gguf import GGUFReader
+
+    from specdec.hub import model_path
+
+    r = GGUFReader(str(model_path("smollm2-135m")))
+    seen = set()
+    for t in r.tensors:
+        qtype = t.tensor_type.name
+        if qtype in Q.QUANT_TYPES and qtype not in seen:
+            seen.add(qtype)
+            n, k = min(int(t.shape[1]), 50), int(t.shape[0])
+            qt = Q.QuantTensor(qtype, np.asarray(t.data[:n]), (n, k))
+            assert torch.equal(Q.unpack(Q.pack(qt), qtype, n), qt.dequantize()), t.name
+    assert seen == {"Q4_1", "Q8_0"}
+
+
+def isas() -> list[int]:
+    return [2] + ([512] if Q._ext is not None and Q._ext.best_isa() == 512 else [])
+
+
+@settings(max_examples=40, deadline=None)
+@given(qtype=st.sampled_from(TYPES), n=st.integers(1, 70), blocks=st.integers(1, 3),
+       m=st.integers(1, 16), bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_kernel_exact_math_and_batch_invariance(qtype, n, blocks, m, bias, seed):
+    if not have_kernel():
+        pytest.skip("no C++ kernel on this CPU")
+    f = Q.QUANT_TYPES[qtype]
+    k = blocks * f.rk
+    qt = random_blocks(qtype, n, k, seed)
+    qw = Q.prepare_quant([qt])
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.rand(m, k // 32, 1, generator=g).repeat_interleave(32, 1).view(m, k)
+    b = torch.randn(n, generator=g) if bias else None
+    y = K.linear(x, qw, b)
+    check_against_exact(y, x, qt, b)
+    # the model change native makes: activation rounding, bounded per block
+    W = qt.dequantize().double()
+    dx = x.abs().view(m, -1, 32).amax(-1) / 127  # [m, K/32]
+    act = (dx.double().repeat_interleave(32, 1) / 2) @ W.abs().T
+    _, a, nsub = exact_terms(qt)
+    ref = x.double() @ W.T + (0 if b is None else b.double())
+    tol = act * (1 + 1e-6) + (3 * nsub + 2 + k) * U * (x.double().abs() @ a.T + 1)
+    assert ((y.double() - ref).abs() <= tol).all()
+    for isa in isas():
+        for nt in (1, 2):
+            for i in range(m):
+                yi = Q._ext.qlinear(x[i:i + 1].contiguous(), qw.packed, [f.fid], [n], b, nt, isa)
+                assert torch.equal(yi[0], y[i]), (isa, nt, i)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_fused_segments_many_rows_and_fallback(qtype, monkeypatch):
+    """Mixed-format row blocks in one call (as q/k/v fuse), M = 40 rows, bias; the torch
+    fallback agrees within the fp32 bound, and the kernel rows equal the M = 1 rows."""
+    if not have_kernel():
+        pytest.skip("no C++ kernel on this CPU")
+    k = 256
+    parts = [random_blocks(qtype, 24, k, 3), random_blocks("Q8_0", 8, k, 4), random_blocks("Q6_K", 33, k, 5)]
+    qw = Q.prepare_quant(parts)
+    x = torch.randn(40, k)
+    b = torch.randn(qw.n)
+    y = K.linear(x.view(4, 10, k), qw, b).view(40, -1)
+    o = 0
+    for p in parts:
+        check_against_exact(y[:, o:o + p.shape[0]], x, p, b[o:o + p.shape[0]])
+        o += p.shape[0]
+    assert all(torch.equal(K.linear(x[i], qw, b), y[i]) for i in (0, 17, 39))
+    monkeypatch.setenv("SPECDEC_KERNEL", "torch")
+    yf = K.linear(x, qw, b)
+    _, a, _ = zip(*(exact_terms(p) for p in parts))
+    xh = Q.quantise_activations(x).double()
+    tol = (k + 8) * U * (xh.abs() @ torch.cat(a).T + b.double().abs())
+    assert ((yf.double() - y.double()).abs() <= 2 * tol).all()
+
+
+def test_fallback_without_kernel_matches(monkeypatch):
+    """Prepared under SPECDEC_KERNEL=torch: dequantised fp32 storage, same math."""
+    qt = random_blocks("Q4_K", 40, 512, 7)
+    monkeypatch.setenv("SPECDEC_KERNEL", "torch")
+    qw = Q.prepare_quant([qt])
+    assert qw.packed is None and torch.equal(qw.dense, qt.dequantize())
+    x = torch.randn(3, 512)
+    y = K.linear(x, qw)
+    xh = Q.quantise_activations(x)
+    assert torch.allclose(y, F.linear(xh, qt.dequantize()), rtol=0, atol=1e-4)
+
+
+def test_quantise_activations_matches_kernel_rounding():
+    """Half-way cases round to even in both, and an all-zero block stays zero."""
+    x = torch.zeros(2, 64)
+    x[0, :32] = torch.arange(32) - 15.5  # many x * 127 / amax land near .5
+    x[1, 32:] = torch.linspace(-3, 3, 32)
+    xh = Q.quantise_activations(x)
+    assert torch.equal(xh[0, 32:], torch.zeros(32)) and torch.equal(xh[1, :32], torch.zeros(32))
+    if have_kernel():  # with W = identity-like Q8_0 rows the kernel returns x^ itself
+        raw = np.zeros((64, 2, 34), np.uint8)
+        raw[..., :2] = np.array([1.0], np.float16).view(np.uint8)
+        for i in range(64):
+            raw[i, i // 32, 2 + i % 32] = 1
+        qw = Q.prepare_quant([Q.QuantTensor("Q8_0", raw.reshape(64, -1), (64, 64))])
+        assert torch.equal(K.linear(x, qw), xh)
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="quant type"):
+        Q.prepare_quant([Q.QuantTensor("Q2_K", np.zeros((1, 84), np.uint8), (1, 256))])
+    with pytest.raises(ValueError, match="multiple of"):
+        Q.prepare_quant([random_blocks("Q4_K", 2, 256, 0), random_blocks("Q8_0", 2, 32, 0)])
+    qw = Q.prepare_quant([random_blocks("Q8_0", 2, 64, 0)])
+    with pytest.raises(ValueError, match="features"):
+        K.linear(torch.zeros(1, 32), qw)
+
+
+@settings(max_examples=15, deadline=None)
+@given(T=st.integers(1, 9), S0=st.integers(0, 70), heads=st.sampled_from([(4, 2), (6, 6), (9, 3)]),
+       D=st.sampled_from([8, 64, 36]), seed=st.integers(0, 2**16))
+def test_attention_rows_invariant_and_close_to_sdpa(T, S0, heads, D, seed):
+    """kernels.attention: each query row is torch.equal to the row computed alone over exactly
+    its own slots (the decode step), and within fp32 rounding of torch's SDPA (1e-5: softmax
+    weights are <= 1 and |v| ~ 1, so reordering the sums moves the result by a few ulps)."""
+    if not have_kernel():
+        pytest.skip("no C++ kernel on this CPU")
+    H, Hkv = heads
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, H, T, D, generator=g)
+    cache_k = torch.randn(1, Hkv, S0 + T + 5, D, generator=g)  # sliced like the KV cache
+    cache_v = torch.randn(1, Hkv, S0 + T + 5, D, generator=g)
+    S = S0 + T
+    allowed = (torch.arange(S).view(1, 1, S) <= (S0 + torch.arange(T)).view(1, T, 1)).unsqueeze(1)
+    o = K.attention(q, cache_k[:, :, :S], cache_v[:, :, :S], allowed)
+    ref = F.scaled_dot_product_attention(q, cache_k[:, :, :S], cache_v[:, :, :S], attn_mask=allowed,
+                                         enable_gqa=True)
+    assert torch.allclose(o, ref, rtol=1e-5, atol=1e-5)
+    for t in range(T):
+        s = S0 + t + 1
+        one = K.attention(q[:, :, t:t + 1], cache_k[:, :, :s], cache_v[:, :, :s],
+                          torch.ones(1, 1, 1, s, dtype=torch.bool))
+        assert torch.equal(one[:, :, 0], o[:, :, t])
