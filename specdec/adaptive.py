@@ -15,7 +15,8 @@ probes again: the estimate cannot lock itself out.
 
 The costs are measured, not assumed: `CostCurve` keeps an exponential moving average of the
 observed seconds per round for each forward width (target: per batch size B and T = k + 1;
-draft: per k) and interpolates between measured widths. On this CPU t_target(T) is far from flat
+draft: per k and per proposer, so a composite's free n-gram rounds and costly draft-model rounds
+are kept apart) and interpolates between measured widths. On this CPU t_target(T) is far from flat
 for some backends, so it matters that the curve is the machine's own.
 
 Losslessness: k is chosen from the past only (committed tokens, earlier acceptances, clocks),
@@ -130,13 +131,13 @@ class FixedK:
     def release(self, req) -> None:
         pass
 
-    def observe_round(self, req, num_draft: int, n_accepted: int) -> None:
+    def observe_round(self, req, num_draft: int, n_accepted: int, source: str | None = None) -> None:
         pass
 
     def observe_target(self, batch_size: int, width: int, seconds: float) -> None:
         pass
 
-    def observe_draft(self, k: int, seconds: float) -> None:
+    def observe_draft(self, k: int, seconds: float, source: str | None = None) -> None:
         pass
 
 
@@ -150,8 +151,8 @@ class AdaptiveK:
         self.k_max = k_max
         self.cost = cost
         self.target: dict[int, CostCurve] = {}  # batch size -> curve over T = k + 1
-        self.draft = CostCurve(prior_slope=1.0)  # over k; t_draft(0) = 0 is observed for free
-        self.draft.observe(0, 0.0)
+        self.draft: dict[str, CostCurve] = {}  # proposer (source) name -> curve over k
+        self.last_source: dict[int, str] = {}  # request id -> proposer that drafted its last round
         self.pool = _Acceptance()  # engine-wide, seeds new requests
         self.state: dict[int, _Acceptance] = {}  # request id -> its own counts
         self.chosen = Counter()
@@ -161,11 +162,12 @@ class AdaptiveK:
 
     def release(self, req) -> None:
         self.state.pop(req.id, None)
+        self.last_source.pop(req.id, None)
 
     def _prior(self, k: int) -> list[float]:
         return self.pool.alphas(k, [PRIOR_ALPHA] * k) if k else []
 
-    def _round_cost(self, batch_size: int, k: int) -> float:
+    def _round_cost(self, batch_size: int, k: int, req_source: str | None = None) -> float:
         if self.cost is not None:
             return self.cost(batch_size, k)
         curve = self.target.get(batch_size)
@@ -176,8 +178,17 @@ class AdaptiveK:
         tt = curve.estimate(k + 1) if curve else None
         if tt is None:
             tt = t1 * (1 + VERIFY_PRIOR_SLOPE * k)
-        td = self.draft.estimate(k) if len(self.draft.seen) > 1 else DRAFT_PRIOR_C * t1 * k
-        return tt + td
+        return tt + self._draft_cost(req_source, k, t1)
+
+    def _draft_cost(self, source: str | None, k: int, t1: float) -> float:
+        """The request's last proposer's measured curve (a composite's n-gram rounds are nearly
+        free, its draft-model rounds are not); before that, the costliest curve measured."""
+        curve = self.draft.get(source)
+        if curve is None and self.draft:
+            curve = max(self.draft.values(), key=lambda c: c.estimate(1) or 0.0)
+        if curve is None or len(curve.seen) < 2:
+            return DRAFT_PRIOR_C * t1 * k
+        return curve.estimate(k)
 
     def choose(self, req, batch_size: int, limit: int) -> int:
         kmax = min(self.k_max, limit)
@@ -186,18 +197,21 @@ class AdaptiveK:
         alphas = self.state[req.id].alphas(kmax, self._prior(kmax))
         best_k, best = 0, -1.0
         for k in range(kmax + 1):
-            rate = expected_tokens(alphas, k) / max(self._round_cost(batch_size, k), 1e-12)
+            cost = self._round_cost(batch_size, k, self.last_source.get(req.id))
+            rate = expected_tokens(alphas, k) / max(cost, 1e-12)
             if rate > best * (1 + 1e-9):  # ties go to the smaller k
                 best_k, best = k, rate
         self.chosen[best_k] += 1
         return best_k
 
-    def observe_round(self, req, num_draft: int, n_accepted: int) -> None:
+    def observe_round(self, req, num_draft: int, n_accepted: int, source: str | None = None) -> None:
         st = self.state.get(req.id)
         if st is None:
             return
         st.decay()
         if num_draft:
+            if source is not None:
+                self.last_source[req.id] = source
             st.observe(num_draft, n_accepted)
             self.pool.observe(num_draft, n_accepted)
 
@@ -206,9 +220,14 @@ class AdaptiveK:
         self.pool.decay()
         self.target.setdefault(batch_size, CostCurve(VERIFY_PRIOR_SLOPE)).observe(width, seconds)
 
-    def observe_draft(self, k: int, seconds: float) -> None:
+    def observe_draft(self, k: int, seconds: float, source: str | None = None) -> None:
+        """One round's proposing time at width k, by the proposer that drafted every row."""
         if k > 0:
-            self.draft.observe(k, seconds)
+            curve = self.draft.get(source)
+            if curve is None:
+                curve = self.draft[source] = CostCurve(prior_slope=1.0)
+                curve.observe(0, 0.0)  # drafting nothing costs nothing
+            curve.observe(k, seconds)
 
 
 def k_policy(num_draft_tokens: int | str, max_draft_tokens: int, cost=None):

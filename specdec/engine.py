@@ -196,8 +196,9 @@ class Engine:
             num_draft = torch.zeros(B, dtype=torch.long, device=dev)
             q = None
         t_draft = time.perf_counter() - t0
-        if proposed and all(r.stats.target_forwards for r in reqs):  # first rounds hold draft prefills
-            self.policy.observe_draft(max(ks), t_draft)
+        if proposed and all(r.stats.target_forwards for r in reqs) and len(set(sources)) == 1:
+            # (first rounds hold the draft's prompt prefill; mixed sources cannot be told apart)
+            self.policy.observe_draft(max(ks), t_draft, sources[0])
         k = drafts.shape[1]
         L = torch.tensor([len(r.tokens) for r in reqs], device=dev)
         last = torch.tensor([[r.tokens[-1]] for r in reqs], device=dev)
@@ -228,7 +229,7 @@ class Engine:
             # Accepted drafts cut by a stop are neither emitted nor counted (PITFALLS 6).
             n_acc = min(n_acc, committed)
             r.stats.record_round(nd_l[b], n_acc, ks[b], sources[b])
-            self.policy.observe_round(r, nd_l[b], n_acc)
+            self.policy.observe_round(r, nd_l[b], n_acc, sources[b])
             # Target KV: committed tokens but the last. Drafts past the commit are rolled back.
             self.cache.set_length(r.row, min(L_b + n_acc, len(r.tokens) - 1))
             if proposed:  # a proposer is only told about rounds it was asked to draft for

@@ -111,6 +111,24 @@ def test_measured_costs_drive_the_choice():
         assert (pol.choose(r, 1, 6) == 0) == want_zero
 
 
+def test_draft_cost_is_kept_per_proposer():
+    """A composite's n-gram rounds cost nothing to draft, its draft-model rounds cost ~c per
+    token: a request whose last round was drafted by the n-gram lookup gets a longer k than
+    one whose last round came from the draft model, at the same acceptance."""
+    pol = AdaptiveK(8)
+    for k in range(1, 9):
+        pol.observe_target(1, k + 1, 1.0 + 0.02 * k)
+        pol.observe_draft(k, 0.0001 * k, "ngram")
+        pol.observe_draft(k, 2.0 * k, "draft")  # a draft model slower than the target
+    pol.observe_target(1, 1, 1.0)
+    via_ngram, via_draft = _Req(1), _Req(2)
+    for r, src in ((via_ngram, "ngram"), (via_draft, "draft")):
+        pol.begin(r)
+        for _ in range(20):
+            pol.observe_round(r, 8, 8, src)
+    assert pol.choose(via_ngram, 1, 8) == 8 and pol.choose(via_draft, 1, 8) == 0
+
+
 def test_k_policy():
     assert isinstance(k_policy(3, 8), FixedK) and k_policy(3, 8).choose(None, 1, 2) == 2
     assert isinstance(k_policy("auto", 8), AdaptiveK)
@@ -156,25 +174,22 @@ def test_adaptive_greedy_equals_plain(smollm2, prompts_and_plain, kind, batched)
     assert got == plain
 
 
-def test_adaptive_k_moves_with_acceptance_and_cost(smollm2):
-    """With the draft's cost fixed low, a self-draft (everything accepted) gets long k and a
-    random draft (everything rejected) mostly k = 0; with this machine's measured costs too the
-    random draft mostly gets k = 0. (A self-draft under measured costs is a near-tie, c ~ 1:
-    2 tokens for ~2 forwards, so no assertion is made about it.)"""
+def test_adaptive_k_moves_with_acceptance(smollm2):
+    """Through the engine, with the draft's cost fixed low so only acceptance decides: a
+    self-draft (everything accepted) gets long k, a random draft (everything rejected) short k.
+    (Measured costs are covered above with injected timings, and end to end by
+    benchmarks/proposers.py; a timing-driven assertion here would be flaky on a loaded machine.)"""
     model, tok = smollm2
     params = SamplingParams(temperature=0, max_tokens=48)
     ids = tok.encode_prompt("Write a haiku about autumn leaves.")
 
-    def chosen(kind, k_cost):
+    def chosen(kind):
         eng = Engine(model, tok, _proposer(kind, model, tok), num_draft_tokens="auto", max_seq_len=512,
-                     max_draft_tokens=6, k_cost=k_cost)
+                     max_draft_tokens=6, k_cost=lambda batch, k: 1.0 + 0.05 * k)
         h = eng.generate([ids], params)[0].stats.chosen_k
         return h, sum(k * n for k, n in h.items()) / sum(h.values())
 
-    cheap = lambda batch, k: 1.0 + 0.05 * k  # noqa: E731
-    h_self, mean_self = chosen("draft-self", cheap)
-    h_rand, mean_rand = chosen("draft-random", cheap)
-    h_meas, mean_meas = chosen("draft-random", None)
+    h_self, mean_self = chosen("draft-self")
+    h_rand, mean_rand = chosen("draft-random")
     assert mean_self >= 4, h_self
     assert mean_rand <= 1, h_rand
-    assert mean_meas <= 1.5, h_meas
