@@ -1,7 +1,8 @@
 """Qwen2.5-Coder 1.5B target + 0.5B draft (1.5 GB of weights): run by `make test-slow`.
 
 Greedy speculative output equals plain greedy output token for token on 10 HumanEval prompts x
-128 tokens, k in {1, 3, 5, 8}; the two tokenizers are accepted as compatible, and the padded
+128 tokens, k in {1, 3, 5, 8}, and for the n-gram, composite and adaptive-k modes
+(3 prompts, batch 1 and batched); the two tokenizers are accepted as compatible, and the padded
 vocabulary (151,936 embedding rows, 151,665 real tokens) is never sampled past.
 """
 
@@ -66,3 +67,32 @@ def test_batched_rows_equal_plain(pair, prompts, plain):
                  max_batch=3, vocab_size=V)
     out = eng.generate(prompts[:3], SamplingParams(temperature=0, max_tokens=128))
     assert [r.output for r in out] == plain[:3]
+
+
+def _proposer(kind, draft, V):
+    from specdec.proposers import DraftModelProposer, NgramProposer
+    from specdec.proposers.composite import CompositeProposer
+
+    if kind == "ngram":
+        return NgramProposer(1, 4)
+    if kind == "draft":
+        return DraftModelProposer(draft, V, 1024)
+    return CompositeProposer([NgramProposer(1, 4), DraftModelProposer(draft, V, 1024)])
+
+
+@pytest.mark.parametrize("kind, k", [("ngram", 4), ("composite", 4), ("ngram", "auto"),
+                                     ("draft", "auto"), ("composite", "auto")])
+@pytest.mark.parametrize("batched", [False, True])
+def test_proposers_and_adaptive_k_equal_plain(pair, prompts, plain, kind, k, batched):
+    """n-gram, composite and adaptive k (issue #5) on the real pair, batch 1 and batched."""
+    from specdec.engine import Engine
+
+    target, draft, tok, V = pair
+    eng = Engine(target, tok, _proposer(kind, draft, V), num_draft_tokens=k, max_seq_len=1024,
+                 max_batch=3, vocab_size=V)
+    params = SamplingParams(temperature=0, max_tokens=128)
+    if batched:
+        got = [r.output for r in eng.generate(prompts[:3], params)]
+    else:
+        got = [eng.generate([p], params)[0].output for p in prompts[:3]]
+    assert got == plain[:3]
