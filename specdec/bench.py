@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,6 +106,7 @@ def load_transformers(path: Path):
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
@@ -147,7 +149,7 @@ def run_bench(models: Models, s: BenchSettings, configs: list, progress=None) ->
                 n, sec, out, stats = c.run(x, params)
                 runs.append(Run(c.name, i, rep, n, sec, out, stats))
                 if progress is not None:
-                    progress(f"{c.name}, prompt {i + 1}/{len(ids)}, repeat {rep + 1}")
+                    progress(f"{c.name}, prompt {i + 1}/{len(ids)}, repeat {rep + 1}: {runs[-1].tok_s:.2f} tok/s")
     return runs
 
 
@@ -209,7 +211,7 @@ def print_table(summary: dict, title: str) -> None:
                   _fmt(r.get("acceptance_rate"), ".2f"), _fmt(r.get("mean_acceptance_length"), ".2f"),
                   _fmt(r.get("draft_cost_ratio"), ".2f"),
                   _fmt(r.get("predicted_speedup"), ".2f") + ("x" if r.get("predicted_speedup") else ""))
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 120)
     console.print(t)
     for p in summary["pairs"]:
         console.print(f"{p['ours']} vs {p['theirs']}: {_fmt(p['ratio'], '.2f')}x")
@@ -217,6 +219,7 @@ def print_table(summary: dict, title: str) -> None:
 
 def plot(summary: dict, out: Path, title: str) -> list[str]:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -224,8 +227,10 @@ def plot(summary: dict, out: Path, title: str) -> list[str]:
     rows = summary["rows"]
     files = []
     fig, ax = plt.subplots(figsize=(7, 0.45 * len(rows) + 1.5))
-    ax.barh([r["config"] for r in rows][::-1], [r["tok_s"] for r in rows][::-1],
-            color=["tab:blue" if r["engine"] == "specdec" else "tab:gray" for r in rows][::-1])
+    bars = ax.barh([r["config"] for r in rows][::-1], [r["tok_s"] for r in rows][::-1],
+                   color=["tab:blue" if r["engine"] == "specdec" else "tab:gray" for r in rows][::-1])
+    ax.bar_label(bars, fmt="%.1f", fontsize=8, padding=2)
+    ax.margins(x=0.12)
     ax.set_xlabel("decode tokens/s (median)")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
@@ -260,6 +265,7 @@ def plot(summary: dict, out: Path, title: str) -> list[str]:
         if r["k"] == "auto":
             ax.plot([r["mean_k"]], [r["vs_plain"]], "*", markersize=12, label=f"auto (mean k {r['mean_k']:.1f})")
     ax.axhline(1.0, color="gray", lw=0.8)
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_xlabel("k (draft tokens per round)")
     ax.set_ylabel("speedup over our plain decode")
     ax.set_title("speedup against k: measured and predicted", fontsize=9)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from specdec.errors import SpecdecError
@@ -165,10 +166,15 @@ def cmd_bench(a, models=None) -> int:
     from rich.progress import Progress
 
     total = len(configs) * len(prompts) * a.repeats
-    with Progress(disable=a.json, transient=True) as prog:
+    log = not a.json and not sys.stderr.isatty()  # a log file gets one line per run instead
+
+    def progress(what):
+        prog.update(task, advance=1, description=what)
+        if log:
+            print(what, file=sys.stderr, flush=True)
+    with Progress(disable=a.json or log, transient=True) as prog:
         task = prog.add_task("warm-up", total=total)
-        runs = bench.run_bench(models, settings, configs,
-                               progress=lambda what: prog.update(task, advance=1, description=what))
+        runs = bench.run_bench(models, settings, configs, progress=progress)
     summary = bench.summarise(runs, configs, settings.params)
     title = (f"{models.name}" + (f" <- {models.draft_name}" if models.draft_name else "") +
              f", {len(prompts)} {Path(a.prompts).name} prompts x {a.max_tokens} tokens x {a.repeats}, "

@@ -84,3 +84,24 @@ def test_never_drafting_is_not_a_pass(capsys, dirs):
                          "--n", "1", "--samples", "200", "--temperature", "1")
     r = json.loads(out.strip().splitlines()[-1])
     assert rc == 1 and r["rounds_with_drafts"] == 0 and "never drafted" in r["reason"]
+
+
+def test_memo_model_answers_like_the_model():
+    """MemoModel's logits are the model's (to fp32 rounding of a different batch shape) for the
+    prefix, its own prefixes and extensions of it; and the engine driven by memoised target and
+    draft emits what the real models make it emit (greedy, plain and speculative)."""
+    from distribution import make_engine
+    from specdec.distribution import full_forward_logits
+    from specdec.verify import MemoModel
+
+    kw = dict(vocab=16, dim=32, layers=2, heads=4, kv_heads=2, inter=48, max_seq_len=64)
+    t, d = tiny_model(seed=5, scale=1.0, **kw), tiny_model(seed=6, scale=1.0, **kw)
+    prefix = [1, 2, 3, 4]
+    memo = MemoModel(t, prefix, batch=2)
+    seqs = [prefix + [5], prefix + [5, 6, 7], prefix, prefix[:2], prefix + [9, 9]]
+    assert (memo.next_logits(seqs) - full_forward_logits(t)(seqs)).abs().max() < 1e-4
+    params = SamplingParams(temperature=0, max_tokens=10)
+    for k in (0, 3):
+        real = make_engine(t, d, k).generate([prefix], params)[0].output
+        memo_engine = make_engine(MemoModel(t, prefix), MemoModel(d, prefix), k)
+        assert memo_engine.generate([prefix], params)[0].output == real
