@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-slow bench install kernels clean
+.PHONY: demo test test-slow bench bench-deps install kernels clean
 
 $(STAMP): pyproject.toml
 	$(PY_SYS) -m venv $(VENV)
@@ -35,6 +35,12 @@ test-slow: $(STAMP)
 	$(PY) -m specdec.cli models fetch qwen2.5-coder-1.5b
 	$(PY) -m specdec.cli models fetch qwen2.5-coder-0.5b
 	$(PY) -m pytest -q -m slow
+
+# Optional, for benchmarks/llamacpp.py only (never a runtime dependency): llama-cpp-python built
+# from source for this CPU, about 12 minutes.
+bench-deps: $(STAMP)
+	CMAKE_ARGS=-DGGML_NATIVE=ON $(PY) -m pip install --disable-pip-version-check --no-deps llama-cpp-python==0.3.36
+	$(PY) -m pip install -q --disable-pip-version-check diskcache
 
 clean:
 	rm -rf $(VENV) build *.egg-info

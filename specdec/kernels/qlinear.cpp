@@ -272,6 +272,10 @@ struct Rows {  // one record, R <= 8 rows
   static void run(const uint8_t* lo, const uint8_t* hi, const Act& a, int64_t m0, int64_t k0,
                   const float* ws, const float* wm, float* acc) {
     constexpr int sb = Traits<F>::sb, ns = sb / 4, nsub = Traits<F>::rk / sb;
+    const int64_t n32 = a.K / 32, n16 = a.K / 16;
+    __m512 f[R];  // the rows' running sums stay in registers for the whole record
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) f[r] = _mm512_loadu_ps(acc + (m0 + r) * NR);
     for (int j = 0; j < nsub; ++j) {
       const int64_t kb = k0 + j * sb;
       __m512i c[R];
@@ -288,15 +292,22 @@ struct Rows {  // one record, R <= 8 rows
           c[r] = _mm512_dpbusd_epi32(c[r], w, _mm512_set1_epi32(x4));
         }
       }
-      alignas(64) int32_t ci[R][NR];
+      // The epilogue's operations per lane, in the AVX2 path's order (see epilogue()).
+      const __m512 wsv = _mm512_loadu_ps(ws + j * NR), wmv = _mm512_loadu_ps(wm + j * NR);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
+        const int64_t m = m0 + r;
         if constexpr (F == Q8_0)
-          c[r] = _mm512_sub_epi32(c[r], _mm512_set1_epi32(128 * a.s32[(m0 + r) * (a.K / 32) + kb / 32]));
-        _mm512_store_si512(ci[r], c[r]);
+          c[r] = _mm512_sub_epi32(c[r], _mm512_set1_epi32(128 * a.s32[m * n32 + kb / 32]));
+        const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(c[r]), _mm512_set1_ps(a.dx[m * n32 + kb / 32]));
+        f[r] = _mm512_fmadd_ps(wsv, t, f[r]);
+        if constexpr (Traits<F>::has_m)
+          f[r] = _mm512_fmadd_ps(wmv, _mm512_set1_ps(sb == 32 ? a.dxs32[m * n32 + kb / 32]
+                                                                : a.dxs16[m * n16 + kb / 16]), f[r]);
       }
-      epilogue<F, R>(ci, a, m0, kb, ws + j * NR, wm + j * NR, acc);
     }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + (m0 + r) * NR, f[r]);
   }
 };
 
