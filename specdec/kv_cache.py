@@ -23,6 +23,7 @@ class KVCache:
         shape = (n_layers, batch_size, n_kv_heads, self.capacity, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, Hkv, S, D]
         self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, Hkv, S, D]
+        self.layers = list(zip(self.k.unbind(0), self.v.unbind(0)))  # per layer [B, Hkv, S, D] views
         self.lengths = [0] * batch_size  # tokens with valid KV, per row (host ints: no sync)
 
     @property

@@ -3,7 +3,8 @@
 RMSNorm, RoPE with the checkpoint's theta (rotate-half layout, as in Hugging Face checkpoints),
 grouped-query attention, SwiGLU, tied or untied output head, optional q/k/v biases. The weights are
 plain tensors (no nn.Module tree) so a decode step costs few Python calls; q/k/v and gate/up are
-fused into one matmul each.
+fused into one matmul each, and what runs between the matmuls is three fused ops per sub-layer
+(specdec/kernels/fused.py: residual add + RMSNorm; RoPE + KV write + attention; SiLU * up).
 
 `forward(tokens [B, T], positions [B, T], cache)` writes the new keys/values at `positions` and
 returns logits [B, T, V]. It never moves the cache's lengths; the caller does. Each query attends
@@ -17,9 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from specdec import kernels
+from specdec.kernels import fused
 from specdec.config import ModelArgs
 from specdec.kv_cache import KVCache
 
@@ -35,23 +36,12 @@ class LayerWeights:
     w_down: object  # prepared [dim, I]
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    var = x.pow(2).mean(-1, keepdim=True)
-    return x * torch.rsqrt(var + eps) * weight
-
-
 def rope_tables(head_dim: int, max_pos: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [max_pos, head_dim // 2] computed in float64 then rounded, like HF's fp32 path."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     t = torch.arange(max_pos, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)  # [S, D/2]
     return freqs.cos(), freqs.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, T, D]; cos/sin [B, 1, T, D/2]; rotate-half convention."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class Transformer:
@@ -107,49 +97,19 @@ class Transformer:
         for causal. rows: [B] cache rows to use (default 0..B-1). Returns logits [B, T, V]
         (and the final hidden states [B, T, dim] when return_hidden)."""
         a = self.args
-        B, T = tokens.shape
-        H, Hkv, D = a.n_heads, a.n_kv_heads, a.head_dim
-        if rows is None:  # the common case: batch row b is cache row b; views, no copies
-            rows_slice = slice(0, B)
-            rows = torch.arange(B, device=self.device)
-        else:
-            rows_slice = rows
-        S = int(positions.max()) + 1  # slots any query can see
-        assert S <= cache.capacity, (S, cache.capacity)
-        slots = torch.arange(S, device=self.device)
-        if mask is None:
-            allowed = slots.view(1, 1, S) <= positions.unsqueeze(-1)  # [B, T, S]
-        else:
-            allowed = slots.view(1, 1, S) < positions[:, :1].unsqueeze(-1)  # history [B, 1, S]
-            allowed = allowed.expand(B, T, S).clone()
-            idx = positions.unsqueeze(1).expand(B, T, T)  # [B, T, T] slot of each new key
-            allowed.scatter_(2, idx, mask)
-        allowed = allowed.unsqueeze(1)  # [B, 1, T, S]
-        cos = self.cos[positions].unsqueeze(1)  # [B, 1, T, D/2]
-        sin = self.sin[positions].unsqueeze(1)
-        row_idx = rows.view(B, 1).expand(B, T)
-
-        x = self.embed[tokens]  # [B, T, dim]
-        for li, lw in enumerate(self.layers):
-            h = rms_norm(x, lw.attn_norm, a.norm_eps)
-            qkv = kernels.linear(h, lw.wqkv, lw.bqkv)  # [B, T, (H + 2 Hkv) D]
-            q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
-            q = apply_rope(q.view(B, T, H, D).transpose(1, 2), cos, sin)  # [B, H, T, D]
-            k = apply_rope(k.view(B, T, Hkv, D).transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
-            v = v.view(B, T, Hkv, D).transpose(1, 2)
-            kc, vc = cache.k[li], cache.v[li]  # [Bc, Hkv, S_cap, D]
-            kc[row_idx, :, positions] = k.transpose(1, 2)  # index [B, T] -> [B, T, Hkv, D]
-            vc[row_idx, :, positions] = v.transpose(1, 2)
-            keys = kc[rows_slice, :, :S]  # [B, Hkv, S, D]
-            values = vc[rows_slice, :, :S]
-            o = kernels.attention(q, keys, values, allowed)  # batch-invariant rows
-            o = o.transpose(1, 2).reshape(B, T, H * D)
-            x = x + kernels.linear(o, lw.wo)
-            h = rms_norm(x, lw.ffn_norm, a.norm_eps)
-            gate, up = kernels.linear(h, lw.w_gate_up).chunk(2, dim=-1)
-            x = x + kernels.linear(F.silu(gate) * up, lw.w_down)
-        hidden = rms_norm(x, self.norm, a.norm_eps)
-        logits = kernels.linear(hidden, self.lm_head)  # [B, T, V]
+        H, Hkv, eps = a.n_heads, a.n_kv_heads, a.norm_eps
+        step = fused.plan(positions, rows, mask, self.cos, self.sin)  # what every layer shares
+        fast, linear = step.fast, kernels.linear
+        x = self.embed[tokens]  # [B, T, dim], the residual stream, updated in place
+        d = None  # the last layer's MLP output, added at the next norm
+        for lw, (kc, vc) in zip(self.layers, cache.layers):  # kc, vc: [Bc, Hkv, S_cap, D] views
+            h = fused.add_rms_norm(x, d, lw.attn_norm, eps, fast)
+            qkv = linear(h, lw.wqkv, lw.bqkv)  # [B, T, (H + 2 Hkv) D]
+            o = fused.attend(step, qkv, kc, vc, H, Hkv)  # [B, T, H D]
+            h = fused.add_rms_norm(x, linear(o, lw.wo), lw.ffn_norm, eps, fast)
+            d = linear(fused.silu_mul(linear(h, lw.w_gate_up), fast), lw.w_down)
+        hidden = fused.add_rms_norm(x, d, self.norm, eps, fast)
+        logits = linear(hidden, self.lm_head)  # [B, T, V]
         return (logits, hidden) if return_hidden else logits
 
     __call__ = forward

@@ -11,3 +11,8 @@ qok = ok and _qext() is not None
 print(f"specdec.kernels: extension {'available' if ok else 'NOT available (torch fallback)'}, "
       f"quantised extension {'available' if qok else 'NOT available (torch fallback)'}"
       f" [cache: {_build_dir()}]")
+
+from .fused import build as build_fused  # noqa: E402 -- the per-layer glue, its own extension
+
+print(f"specdec.kernels: fused glue extension "
+      f"{'available' if build_fused() is not None else 'NOT available (torch fallback)'}")

@@ -1,0 +1,356 @@
+// The per-layer glue of a decode/verify step, fused: what sits between the matmuls.
+//
+// A SmolLM2 forward(1) spent ~40% of its time outside the matmuls, in ~35 small torch ops per
+// layer (RMSNorm as 4 ops, RoPE as chunk/mul/cat on q and k, the KV index_put, the mask, the
+// transposes around attention).  Each op costs a few microseconds of dispatch for microseconds of
+// work.  Three calls replace them:
+//
+//   add_rms_norm(x, d, w, eps)   x += d (in place, d optional); returns rms_norm(x) * w
+//   attend(qkv, positions, ...)  RoPE on q and k, k/v written into the cache at their positions,
+//                                grouped-query attention of the new rows over the cache
+//   silu_mul(gu)                 silu(gate) * up, gu = [gate | up] from the fused matmul
+//
+// Every row (a token; for attention a token and a head) is computed on its own, in an order that
+// depends only on that row's data and the slots it may see: a row's bits do not depend on the
+// batch size, the number of new tokens (T), the cache length or the thread count, which greedy
+// speculative decoding == plain decoding needs.  The elementwise arithmetic is the torch
+// reference's, operation for operation (built with -ffp-contract=off); reductions (the
+// RMSNorm sum of squares, dot products, softmax sums) and exp use their own fixed order and
+// polynomial, so results differ from torch by fp32 rounding only.
+//
+// Attention semantics (as specdec.model documents): query (b, t) at position p sees the cache
+// slots <= p (causal), or, with mask [B, T, T], the slots before the block's first position
+// plus the slots of the new tokens the mask allows.  Slots are visited in increasing order.
+
+#include <torch/extension.h>
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+inline float hsum(__m256 v) {  // fixed order: (lo + hi) then pairwise
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// exp(x) for 8 lanes: Cephes' expf (range reduction by ln 2 in two parts, degree-5 polynomial),
+// ~1 ulp; x < -87.3 gives 0, as softmax and silu want.
+inline __m256 exp8(__m256 x) {
+  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365478515625f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
+  __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
+inline float exp1(float x) { return _mm256_cvtss_f32(exp8(_mm256_set1_ps(x))); }
+
+void check_f32(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.device().is_cpu() && t.is_contiguous(), name,
+              " must be a contiguous fp32 CPU tensor");
+}
+
+// o[0:D] = sum_i e[i] v[slot i] for D a multiple of 8 up to 8 * NV, in registers.
+template <int NV>
+inline void weighted_sum(const float* e, const int32_t* js, int64_t n, const float* vb, int64_t vs,
+                         int64_t D, float scale, float* out) {
+  __m256 acc[NV];
+  for (int r = 0; r < NV; ++r) acc[r] = _mm256_setzero_ps();
+  const int nv = static_cast<int>(D / 8);
+  for (int64_t i = 0; i < n; ++i) {
+    const __m256 ev = _mm256_set1_ps(e[i]);
+    const float* vr = vb + js[i] * vs;
+#pragma GCC unroll 16
+    for (int r = 0; r < NV; ++r)
+      if (r < nv) acc[r] = _mm256_fmadd_ps(ev, _mm256_loadu_ps(vr + 8 * r), acc[r]);
+  }
+  const __m256 sv = _mm256_set1_ps(scale);
+  for (int r = 0; r < NV; ++r)
+    if (r < nv) _mm256_storeu_ps(out + 8 * r, _mm256_mul_ps(acc[r], sv));
+}
+
+}  // namespace
+
+// x [R, C] (updated in place: x += d), d [R, C] or None, w [C]; returns rms_norm(x) * w [R, C].
+torch::Tensor add_rms_norm(torch::Tensor x, const c10::optional<torch::Tensor>& d_opt,
+                           const torch::Tensor& w, double eps) {
+  check_f32(x, "x");
+  check_f32(w, "w");
+  const int64_t C = w.numel();
+  TORCH_CHECK(x.numel() % std::max<int64_t>(C, 1) == 0 && x.size(-1) == C, "x and w disagree");
+  const int64_t R = C ? x.numel() / C : 0;
+  const bool has_d = d_opt.has_value() && d_opt->defined();
+  if (has_d) {
+    check_f32(*d_opt, "d");
+    TORCH_CHECK(d_opt->numel() == x.numel(), "d must have x's shape");
+  }
+  auto out = torch::empty_like(x);
+  float* xp = x.data_ptr<float>();
+  const float* dp = has_d ? d_opt->data_ptr<float>() : nullptr;
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float epsf = static_cast<float>(eps), invc = 1.0f / static_cast<float>(C);
+#pragma omp parallel for schedule(static) if (R * C >= (1 << 16))
+  for (int64_t r = 0; r < R; ++r) {
+    float* xr = xp + r * C;
+    __m256 ss = _mm256_setzero_ps();
+    int64_t c = 0;
+    if (has_d) {
+      const float* dr = dp + r * C;
+      for (; c + 8 <= C; c += 8) {
+        const __m256 v = _mm256_add_ps(_mm256_loadu_ps(xr + c), _mm256_loadu_ps(dr + c));
+        _mm256_storeu_ps(xr + c, v);
+        ss = _mm256_fmadd_ps(v, v, ss);
+      }
+      for (int64_t t = c; t < C; ++t) xr[t] += dr[t];
+    } else {
+      for (; c + 8 <= C; c += 8) {
+        const __m256 v = _mm256_loadu_ps(xr + c);
+        ss = _mm256_fmadd_ps(v, v, ss);
+      }
+    }
+    float s = hsum(ss);
+    for (; c < C; ++c) s += xr[c] * xr[c];
+    const float rs = 1.0f / std::sqrt(s * invc + epsf);
+    float* orow = op + r * C;
+    const __m256 rv = _mm256_set1_ps(rs);
+    c = 0;
+    for (; c + 8 <= C; c += 8)
+      _mm256_storeu_ps(orow + c, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + c), rv), _mm256_loadu_ps(wp + c)));
+    for (; c < C; ++c) orow[c] = (xr[c] * rs) * wp[c];
+  }
+  return out;
+}
+
+// gu [..., 2I] = [gate | up] -> silu(gate) * up [..., I], silu(g) = g / (1 + exp(-g)).
+torch::Tensor silu_mul(const torch::Tensor& gu) {
+  check_f32(gu, "gu");
+  const int64_t I2 = gu.size(-1), I = I2 / 2;
+  TORCH_CHECK(I2 % 2 == 0, "gu's last dim must be even");
+  auto sizes = gu.sizes().vec();
+  sizes.back() = I;
+  auto out = torch::empty(sizes, gu.options());
+  const int64_t R = I ? gu.numel() / I2 : 0;
+  const float* gp = gu.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+#pragma omp parallel for schedule(static) if (R * I >= (1 << 16))
+  for (int64_t r = 0; r < R; ++r) {
+    const float* g = gp + r * I2;
+    const float* u = g + I;
+    float* o = op + r * I;
+    int64_t i = 0;
+    for (; i + 8 <= I; i += 8) {
+      const __m256 gv = _mm256_loadu_ps(g + i);
+      const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, gv))));
+      _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+    }
+    for (; i < I; ++i) o[i] = (g[i] / (1.0f + exp1(-g[i]))) * u[i];
+  }
+  return out;
+}
+
+// qkv [B, T, (H + 2 Hkv) D] (the fused projection, bias added); positions [B, T] int64;
+// cos, sin [P, D/2]; kc, vc [Bc, Hkv, S, D] one layer's cache (last dim contiguous);
+// rows [B] int64 cache row of each batch row, or None for 0..B-1; mask [B, T, T] bool or None.
+// Writes rope(k), v at (rows[b], :, positions[b, t]) and returns attention output [B, T, H D].
+torch::Tensor attend(const torch::Tensor& qkv, const torch::Tensor& positions, const torch::Tensor& cos,
+                     const torch::Tensor& sin, torch::Tensor kc, torch::Tensor vc,
+                     const c10::optional<torch::Tensor>& rows_opt, const c10::optional<torch::Tensor>& mask_opt,
+                     int64_t H, int64_t Hkv, int64_t nthreads) {
+  check_f32(qkv, "qkv");
+  check_f32(cos, "cos");
+  check_f32(sin, "sin");
+  TORCH_CHECK(qkv.dim() == 3 && H > 0 && Hkv > 0 && H % Hkv == 0, "qkv must be [B, T, (H + 2 Hkv) D]");
+  const int64_t B = qkv.size(0), T = qkv.size(1), D = qkv.size(2) / (H + 2 * Hkv), half = D / 2;
+  TORCH_CHECK(D * (H + 2 * Hkv) == qkv.size(2) && D % 2 == 0, "qkv's last dim is not (H + 2 Hkv) D, D even");
+  TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.is_contiguous() &&
+                  positions.dim() == 2 && positions.size(0) == B && positions.size(1) == T,
+              "positions must be contiguous int64 [B, T]");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == half && sin.sizes() == cos.sizes(), "cos/sin must be [P, D/2]");
+  TORCH_CHECK(kc.scalar_type() == torch::kFloat32 && vc.scalar_type() == torch::kFloat32 && kc.dim() == 4 &&
+                  kc.sizes() == vc.sizes() && kc.size(1) == Hkv && kc.size(3) == D && kc.stride(3) == 1 &&
+                  vc.stride(3) == 1,
+              "kc, vc must be fp32 [Bc, Hkv, S, D] with a contiguous last dim");
+  const int64_t Bc = kc.size(0), S = kc.size(2), P = cos.size(0);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  std::vector<int64_t> row(B);
+  const bool has_rows = rows_opt.has_value() && rows_opt->defined();
+  if (has_rows) {
+    TORCH_CHECK(rows_opt->scalar_type() == torch::kInt64 && rows_opt->numel() == B, "rows must be int64 [B]");
+    const torch::Tensor rc = rows_opt->contiguous();
+    std::copy(rc.data_ptr<int64_t>(), rc.data_ptr<int64_t>() + B, row.begin());
+  } else {
+    for (int64_t b = 0; b < B; ++b) row[b] = b;
+  }
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(row[b] >= 0 && row[b] < Bc, "cache row out of range");
+  for (int64_t i = 0; i < B * T; ++i)
+    TORCH_CHECK(pos[i] >= 0 && pos[i] < S && pos[i] < P, "position ", pos[i], " outside the cache (", S,
+                " slots) or the RoPE table");
+  torch::Tensor mask;
+  const bool has_mask = mask_opt.has_value() && mask_opt->defined();
+  if (has_mask) mask = mask_opt->to(torch::kBool).expand({B, T, T}).contiguous();
+  const bool* mp = has_mask ? mask.data_ptr<bool>() : nullptr;
+
+  const int64_t N = qkv.size(2), group = H / Hkv;
+  const float* qp = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* kp = kc.data_ptr<float>();
+  float* vp = vc.data_ptr<float>();
+  const int64_t ks0 = kc.stride(0), ks1 = kc.stride(1), ks2 = kc.stride(2);
+  const int64_t vs0 = vc.stride(0), vs1 = vc.stride(1), vs2 = vc.stride(2);
+  auto out = torch::empty({B, T, H * D}, qkv.options());
+  float* op = out.data_ptr<float>();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+
+  // rotate-half RoPE, as x1 * cos - x2 * sin | x2 * cos + x1 * sin (each product rounded)
+  auto rope = [&](const float* x, const float* c, const float* s, float* y) {
+    int64_t i = 0;
+    for (; i + 8 <= half; i += 8) {
+      const __m256 x1 = _mm256_loadu_ps(x + i), x2 = _mm256_loadu_ps(x + half + i);
+      const __m256 cv = _mm256_loadu_ps(c + i), sv = _mm256_loadu_ps(s + i);
+      _mm256_storeu_ps(y + i, _mm256_sub_ps(_mm256_mul_ps(x1, cv), _mm256_mul_ps(x2, sv)));
+      _mm256_storeu_ps(y + half + i, _mm256_add_ps(_mm256_mul_ps(x2, cv), _mm256_mul_ps(x1, sv)));
+    }
+    for (; i < half; ++i) {
+      const float a = x[i], b = x[half + i];
+      y[i] = a * c[i] - b * s[i];
+      y[half + i] = b * c[i] + a * s[i];
+    }
+  };
+
+  const int nt = static_cast<int>(std::max<int64_t>(1, nthreads));
+  const int64_t work = B * T * H;
+#pragma omp parallel num_threads(nt) if (nt > 1 && work > 1)
+  {
+    // 1. the new keys (rotated) and values into the cache
+#pragma omp for schedule(static)
+    for (int64_t idx = 0; idx < B * T * Hkv; ++idx) {
+      const int64_t bt = idx / Hkv, h = idx % Hkv, b = bt / T, p = pos[bt];
+      const float* src = qp + bt * N + (H + h) * D;
+      rope(src, cp + p * half, sp + p * half, kp + row[b] * ks0 + h * ks1 + p * ks2);
+      std::copy(src + Hkv * D, src + Hkv * D + D, vp + row[b] * vs0 + h * vs1 + p * vs2);
+    }
+    // (implicit barrier: every new key is in place before any query reads the cache)
+    std::vector<float> q(D), sc, e;
+    std::vector<int32_t> js;
+    std::vector<char> seen;
+#pragma omp for schedule(static)
+    for (int64_t idx = 0; idx < work; ++idx) {
+      const int64_t bt = idx / H, h = idx % H, b = bt / T, t = bt % T, p = pos[bt], kh = h / group;
+      // the slots this query sees, increasing
+      js.clear();
+      if (!has_mask) {
+        for (int64_t j = 0; j <= p; ++j) js.push_back(static_cast<int32_t>(j));
+      } else {
+        const int64_t p0 = pos[b * T];
+        int64_t top = p0;
+        for (int64_t u = 0; u < T; ++u) top = std::max(top, pos[b * T + u] + 1);
+        seen.assign(top, 0);
+        for (int64_t j = 0; j < p0; ++j) seen[j] = 1;
+        for (int64_t u = 0; u < T; ++u) seen[pos[b * T + u]] = mp[(b * T + t) * T + u];
+        for (int64_t j = 0; j < top; ++j)
+          if (seen[j]) js.push_back(static_cast<int32_t>(j));
+      }
+      const int64_t n = static_cast<int64_t>(js.size());
+      float* orow = op + bt * H * D + h * D;
+      if (n == 0) {  // nothing visible: zeros (as the reference kernel gives)
+        std::fill(orow, orow + D, 0.f);
+        continue;
+      }
+      rope(qp + bt * N + h * D, cp + p * half, sp + p * half, q.data());
+      const float* kb = kp + row[b] * ks0 + kh * ks1;
+      const float* vb = vp + row[b] * vs0 + kh * vs1;
+      const int64_t n8 = (n + 7) / 8 * 8;
+      sc.resize(n8);
+      e.resize(n8);
+      // scores, four keys at a time (independent FMA chains)
+      int64_t i = 0;
+      for (; i + 4 <= n; i += 4) {
+        const float* k0 = kb + js[i] * ks2;
+        const float* k1 = kb + js[i + 1] * ks2;
+        const float* k2 = kb + js[i + 2] * ks2;
+        const float* k3 = kb + js[i + 3] * ks2;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        int64_t d = 0;
+        for (; d + 8 <= D; d += 8) {
+          const __m256 qv = _mm256_loadu_ps(q.data() + d);
+          a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
+          a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + d), a1);
+          a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + d), a2);
+          a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + d), a3);
+        }
+        float s0 = hsum(a0), s1 = hsum(a1), s2 = hsum(a2), s3 = hsum(a3);
+        for (; d < D; ++d) {
+          s0 += q[d] * k0[d];
+          s1 += q[d] * k1[d];
+          s2 += q[d] * k2[d];
+          s3 += q[d] * k3[d];
+        }
+        sc[i] = s0 * scale;
+        sc[i + 1] = s1 * scale;
+        sc[i + 2] = s2 * scale;
+        sc[i + 3] = s3 * scale;
+      }
+      for (; i < n; ++i) {
+        const float* k0 = kb + js[i] * ks2;
+        __m256 a0 = _mm256_setzero_ps();
+        int64_t d = 0;
+        for (; d + 8 <= D; d += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q.data() + d), _mm256_loadu_ps(k0 + d), a0);
+        float s0 = hsum(a0);
+        for (; d < D; ++d) s0 += q[d] * k0[d];
+        sc[i] = s0 * scale;
+      }
+      float m = -INFINITY;
+      for (i = 0; i < n; ++i) m = std::max(m, sc[i]);
+      for (i = n; i < n8; ++i) sc[i] = -INFINITY;  // exp gives 0: padding adds nothing
+      const __m256 mv = _mm256_set1_ps(m);
+      __m256 lv = _mm256_setzero_ps();
+      for (i = 0; i < n8; i += 8) {
+        const __m256 ev = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc.data() + i), mv));
+        _mm256_storeu_ps(e.data() + i, ev);
+        lv = _mm256_add_ps(lv, ev);
+      }
+      const float inv = 1.0f / hsum(lv);
+      if (D % 8 == 0 && D <= 64) {
+        weighted_sum<8>(e.data(), js.data(), n, vb, vs2, D, inv, orow);
+      } else if (D % 8 == 0 && D <= 128) {
+        weighted_sum<16>(e.data(), js.data(), n, vb, vs2, D, inv, orow);
+      } else {
+        std::fill(orow, orow + D, 0.f);
+        for (i = 0; i < n; ++i) {
+          const float* vr = vb + js[i] * vs2;
+          for (int64_t d = 0; d < D; ++d) orow[d] += e[i] * vr[d];
+        }
+        for (int64_t d = 0; d < D; ++d) orow[d] *= inv;
+      }
+    }
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("add_rms_norm", &add_rms_norm, "x += d; rms_norm(x) * w");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  m.def("attend", &attend, "RoPE, KV cache write and attention for a few query rows");
+}

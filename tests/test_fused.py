@@ -1,0 +1,202 @@
+"""The fused per-layer ops (specdec/kernels/fused.cpp) against the torch reference beside them.
+
+Tolerances: the elementwise arithmetic is the reference's operation for operation, so the residual
+add, the values written to the cache and the rotated keys are compared exactly (torch.equal).
+The reductions (RMSNorm's sum of squares, q.k dot products, softmax sums) run in a different
+order and exp is a different ~1-ulp polynomial, so normalised outputs, silu and attention agree
+to fp32 rounding: rtol 1e-5 with atol 1e-6 on O(1) values (a wrong slot, head or sign gives O(1)
+errors).  Batch invariance is exact: a row's bits do not depend on the other rows, on T, on the
+cache rows used or on the thread count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import tiny_model
+from specdec.kernels import fused
+from specdec.model import rope_tables
+
+pytestmark = pytest.mark.skipif(not fused.available(), reason="fused extension did not build here")
+
+
+@contextlib.contextmanager
+def _kernel_env(value):
+    old = os.environ.get("SPECDEC_KERNEL")
+    os.environ["SPECDEC_KERNEL"] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["SPECDEC_KERNEL"]
+        else:
+            os.environ["SPECDEC_KERNEL"] = old
+
+
+def _plan(fast, positions, rows, mask, cos, sin):
+    with _kernel_env("auto" if fast else "torch"):
+        step = fused.plan(positions, rows, mask, cos, sin)
+    assert step.fast == fast
+    return step
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 20), cols=st.integers(1, 700), with_d=st.booleans(), seed=st.integers(0, 999))
+def test_add_rms_norm_matches_torch(rows, cols, with_d, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g)
+    d = torch.randn(rows, cols, generator=g) if with_d else None
+    w = 1 + 0.1 * torch.randn(cols, generator=g)
+    x_fast, x_ref = x.clone(), x.clone()
+    h_fast = fused.add_rms_norm(x_fast, d, w, 1e-5, fast=True)
+    h_ref = fused.add_rms_norm(x_ref, d, w, 1e-5, fast=False)
+    assert torch.equal(x_fast, x_ref)  # the residual add, in place, exactly
+    torch.testing.assert_close(h_fast, h_ref, rtol=1e-5, atol=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 20), inter=st.integers(1, 400), seed=st.integers(0, 999))
+def test_silu_mul_matches_torch(rows, inter, seed):
+    g = torch.Generator().manual_seed(seed)
+    gu = 4 * torch.randn(rows, 2 * inter, generator=g)
+    gu[0, 0] = -100.0  # exp overflow side: silu -> -0
+    torch.testing.assert_close(fused.silu_mul(gu, fast=True), fused.silu_mul(gu, fast=False),
+                               rtol=1e-5, atol=1e-6)
+
+
+def _attend_case(data):
+    """Random shapes, history lengths, cache rows and (sometimes) a mask over the new tokens."""
+    B = data.draw(st.integers(1, 3), "B")
+    T = data.draw(st.integers(1, 6), "T")
+    Hkv = data.draw(st.integers(1, 3), "Hkv")
+    H = Hkv * data.draw(st.integers(1, 4), "group")
+    D = data.draw(st.sampled_from([2, 6, 8, 10, 16, 64, 128]), "D")
+    seed = data.draw(st.integers(0, 9999), "seed")
+    g = torch.Generator().manual_seed(seed)
+    Bc, cap = B + 1, 48
+    starts = [data.draw(st.integers(0, cap - T), f"start{b}") for b in range(B)]
+    positions = torch.tensor([[s + t for t in range(T)] for s in starts])  # [B, T]
+    rows = torch.randperm(Bc, generator=g)[:B] if data.draw(st.booleans(), "rows") else None
+    mask = None
+    if data.draw(st.booleans(), "mask"):
+        mask = torch.rand(B, T, T, generator=g) < 0.5
+        mask |= torch.eye(T, dtype=torch.bool)  # each new token sees itself: no empty row
+    qkv = torch.randn(B, T, (H + 2 * Hkv) * D, generator=g)
+    kc = torch.randn(Bc, Hkv, cap, D, generator=g)
+    vc = torch.randn(Bc, Hkv, cap, D, generator=g)
+    cos, sin = rope_tables(D, cap, 10000.0)
+    return qkv, positions, rows, mask, kc, vc, H, Hkv, cos, sin
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data())
+def test_attend_matches_torch(data):
+    """RoPE + cache write + GQA attention against the model's previous op-by-op code."""
+    qkv, positions, rows, mask, kc, vc, H, Hkv, cos, sin = _attend_case(data)
+    kf, vf, kr, vr = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    o_fast = fused.attend(_plan(True, positions, rows, mask, cos, sin), qkv, kf, vf, H, Hkv)
+    o_ref = fused.attend(_plan(False, positions, rows, mask, cos, sin), qkv, kr, vr, H, Hkv)
+    assert torch.equal(vf, vr) and torch.equal(kf, kr)  # same slots, same rounded products
+    torch.testing.assert_close(o_fast, o_ref, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_attend_rows_are_batch_invariant(data):
+    """Each (batch row, token) computed alone -- T = 1, B = 1, one thread -- gives the bits of the
+    batched call: what greedy speculative == plain decoding needs under quantised weights."""
+    qkv, positions, rows, mask, kc, vc, H, Hkv, cos, sin = _attend_case(data)
+    B, T, _ = qkv.shape
+    kb, vb = kc.clone(), vc.clone()
+    batched = fused.attend(_plan(True, positions, rows, mask, cos, sin), qkv, kb, vb, H, Hkv)
+    rows = torch.arange(B) if rows is None else rows
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for b in range(B):
+            k1, v1 = kb.clone(), vb.clone()  # the block's keys are in place, as after the batch
+            for t in range(T):
+                if mask is not None and not (mask[b, t, :t].all() and not mask[b, t, t + 1:].any()):
+                    continue  # this row of a tree mask is not a causal prefix: no 1-row equivalent
+                one = fused.attend(_plan(True, positions[b:b + 1, t:t + 1], rows[b:b + 1], None, cos, sin),
+                                   qkv[b:b + 1, t:t + 1].contiguous(), k1, v1, H, Hkv)
+                assert torch.equal(one[0, 0], batched[b, t])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_attend_rejects_positions_outside_the_cache():
+    cos, sin = rope_tables(8, 64, 10000.0)
+    qkv = torch.randn(1, 1, 3 * 8)
+    kc = vc = torch.zeros(1, 1, 16, 8)
+    step = _plan(True, torch.tensor([[16]]), None, None, cos, sin)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        fused.attend(step, qkv, kc, vc, 1, 1)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_model_forward_fast_equals_fallback(arch):
+    """A whole forward (prefill, then a 4-token verify block with a mask, on two cache rows) with
+    the extension and under SPECDEC_KERNEL=torch, where the extension is never called."""
+    model = tiny_model(seed=6, arch=arch)
+    V = model.args.vocab_size
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, V, (2, 12), generator=g)
+    block = torch.randint(0, V, (2, 4), generator=g)
+    mask = torch.tril(torch.ones(4, 4, dtype=torch.bool)).expand(2, 4, 4)
+    rows = torch.tensor([2, 0])
+
+    def run():
+        cache = model.new_cache(3)
+        a = model.forward(prompt, torch.arange(12).repeat(2, 1), cache, rows=rows)
+        b = model.forward(block, torch.arange(12, 16).repeat(2, 1), cache, mask=mask, rows=rows)
+        return a, b, cache
+
+    fa, fb, fc = run()
+    saved = fused._ext
+    fused._ext = None  # any call into the extension would now fail
+    try:
+        with _kernel_env("torch"):
+            ra, rb, rc = run()
+    finally:
+        fused._ext = saved
+    torch.testing.assert_close(fa, ra, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fb, rb, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fc.k, rc.k, rtol=1e-5, atol=1e-5)
+    assert torch.equal(fc.k[:, 1], torch.zeros_like(fc.k[:, 1]))  # row 1 was never used
+
+
+def test_failed_build_falls_back(monkeypatch):
+    """No extension (a failed build): plan says so once, and the forward runs on torch ops."""
+    monkeypatch.setattr(fused, "_ext", None)
+    monkeypatch.setattr(fused, "_tried", True)
+    monkeypatch.delenv("SPECDEC_KERNEL", raising=False)
+    model = tiny_model(seed=7)
+    step = fused.plan(torch.tensor([[0, 1]]), None, None, model.cos, model.sin)
+    assert not step.fast and step.allowed is not None
+    out = model.forward(torch.tensor([[3, 4]]), torch.tensor([[0, 1]]), model.new_cache(1))
+    assert out.shape == (1, 2, model.args.vocab_size) and torch.isfinite(out).all()
+
+
+def test_fallback_matches_sdpa_reference():
+    """The fallback is the plain formula: RoPE by rotate-half, then masked softmax attention."""
+    cos, sin = rope_tables(8, 32, 10000.0)
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(1, 3, (2 + 2) * 8, generator=g)
+    kc, vc = torch.zeros(1, 1, 32, 8), torch.zeros(1, 1, 32, 8)
+    pos = torch.tensor([[0, 1, 2]])
+    out = fused.attend(_plan(False, pos, None, None, cos, sin), qkv, kc, vc, 2, 1)
+    q, k, v = qkv.view(3, 4, 8)[:, :2], qkv.view(3, 4, 8)[:, 2], qkv.view(3, 4, 8)[:, 3]
+    c, s = cos[:3].repeat(1, 2), sin[:3].repeat(1, 2)  # [T, D]: x * cos + rotate_half(x) * sin
+    q = q * c[:, None] + torch.cat((-q[..., 4:], q[..., :4]), -1) * s[:, None]  # [T, H, D]
+    k = k * c + torch.cat((-k[..., 4:], k[..., :4]), -1) * s  # [T, D]
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1), k.expand(2, 3, 8), v.expand(2, 3, 8),
+                                         is_causal=True)  # [H, T, D]
+    torch.testing.assert_close(out[0], ref.transpose(0, 1).reshape(3, 16), rtol=1e-5, atol=1e-6)
