@@ -249,14 +249,13 @@ inline __m512i decode(const uint8_t* lo, const uint8_t* hi, int s) {
   if constexpr (bits == 8) {
     return _mm512_xor_si512(_mm512_loadu_si512(lo + s * 64), _mm512_set1_epi8(static_cast<char>(0x80)));
   } else {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + s * 32));
-    const __m512i vz = _mm512_inserti64x4(_mm512_castsi256_si512(v), v, 1);
+    // [v, v] straight from memory (a load-port broadcast, no shuffle uop)
+    const __m512i vz = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + s * 32)));
     const __m512i cnt = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
     __m512i w = _mm512_and_si512(_mm512_srlv_epi16(vz, cnt), _mm512_set1_epi8(0x0F));
     if constexpr (bits == 5 || bits == 6) {
       constexpr int g = bits == 5 ? 4 : 2, b = bits - 4;
-      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + (s / g) * 32));
-      const __m512i hz = _mm512_inserti64x4(_mm512_castsi256_si512(h), h, 1);
+      const __m512i hz = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + (s / g) * 32)));
       const int f0 = 2 * (s % g);
       const __m512i hc = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(f0 * b)),
                                             _mm256_set1_epi16((f0 + 1) * b), 1);

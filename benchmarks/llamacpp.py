@@ -1,0 +1,118 @@
+"""llama.cpp against our `--dtype native` runtime on the same GGUF files, same run, interleaved.
+
+Optional dependency: llama-cpp-python, built from source for this CPU (`make bench-deps`, about
+12 minutes); never a runtime dependency of specdec.
+
+For each prompt, back to back: llama.cpp plain greedy decode, our plain greedy decode on the
+GGUF's own blocks (--dtype native), and our speculative decode (--dtype native; the Qwen pair
+drafts with the 0.5B model at its own Q5_0/Q8_0, SmolLM2 with the n-gram proposer).  Same
+prompt token ids (our tokenizer's chat template, fed to llama.cpp as ids), same thread count,
+`--max-tokens` tokens each with EOS ignored, so every engine decodes the same number of tokens.
+Decode tokens/s excludes the prompt's prefill on every side (llama.cpp: from the first generated
+token to the last).  Reports per-engine median tokens/s over prompts, per-prompt median ratios,
+then one JSON line.
+
+    .venv/bin/python benchmarks/llamacpp.py --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b
+    .venv/bin/python benchmarks/llamacpp.py --model smollm2-135m --proposer ngram
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+
+def llama_decode(llm, ids: list[int], n: int) -> tuple[list[int], float]:
+    """Greedy decode n tokens after ids; returns (tokens, decode tokens/s after the first)."""
+    llm.reset()
+    out, t_first = [], None
+    for tok in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
+                            reset=True):
+        out.append(tok)
+        if t_first is None:
+            t_first = time.perf_counter()
+        if len(out) == n:
+            break
+    return out, (len(out) - 1) / (time.perf_counter() - t_first)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--draft", default=None, help="draft model (default: n-gram proposer)")
+    ap.add_argument("--proposer", default=None, help="ngram (default without --draft)")
+    ap.add_argument("--num-draft-tokens", type=int, default=4)
+    ap.add_argument("--num-prompts", type=int, default=10)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        raise SystemExit("llama-cpp-python is not installed: run `make bench-deps` (builds it, ~12 min)")
+    from specdec.api import check_draft_compatible, load_model
+    from specdec.config import SamplingParams
+    from specdec.engine import Engine
+    from specdec.hub import fetch
+    from specdec.prompts import humaneval
+    from specdec.proposers import DraftModelProposer
+    from specdec.proposers.ngram import NgramProposer
+
+    target, tok = load_model(a.model, "native", "cpu")
+    V = min(tok.vocab_size, target.args.vocab_size)
+    if a.draft:
+        draft, dtok = load_model(a.draft, "native", "cpu")
+        V = min(check_draft_compatible(tok, dtok, a.model, a.draft), V, draft.args.vocab_size)
+        proposer, spec_name = DraftModelProposer(draft, V, 2048), f"ours spec (draft {a.draft}, native)"
+    else:
+        proposer, spec_name = NgramProposer(1, 4), "ours spec (n-gram)"
+    k = a.num_draft_tokens
+    llm = Llama(model_path=str(fetch(a.model)), n_ctx=2048, n_threads=a.threads,
+                n_threads_batch=a.threads, n_batch=512, verbose=False, seed=0)
+    plain = Engine(target, tok, max_seq_len=2048, vocab_size=V)
+    spec = Engine(target, tok, proposer, num_draft_tokens=k, max_seq_len=2048, vocab_size=V)
+    params = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
+    prompts = [tok.encode_prompt(p) for p in humaneval(a.num_prompts + 1)]
+
+    def ours(eng, ids):
+        r = eng.generate([ids], params)[0]
+        return r.output, len(r.output) / r.decode_time, r.stats
+
+    names = ["llama.cpp plain", "ours plain (native)", f"{spec_name} k={k}"]
+    rates = {n: [] for n in names}
+    agree, acc = [], []
+    llama_decode(llm, prompts[0], 8), ours(plain, prompts[0]), ours(spec, prompts[0])  # warm-up
+    for i, ids in enumerate(prompts[1:]):
+        lt, lr = llama_decode(llm, ids, a.max_tokens)
+        pt, pr, _ = ours(plain, ids)
+        st, sr, stats = ours(spec, ids)
+        assert st == pt, f"prompt {i}: speculative output differs from plain"
+        for n, r in zip(names, (lr, pr, sr)):
+            rates[n].append(r)
+        same = next((j for j, (x, y) in enumerate(zip(lt, pt)) if x != y), min(len(lt), len(pt)))
+        agree.append(same)
+        acc.append(stats.to_dict()["acceptance_rate"])
+        print(f"prompt {i:2d}: " + "  ".join(f"{n} {r:6.2f}" for n, r in zip(names, (lr, pr, sr)))
+              + f"  tok/s; same first tokens as llama.cpp: {same}", flush=True)
+    med = {n: statistics.median(v) for n, v in rates.items()}
+    ratio = {n: statistics.median(r / l for r, l in zip(v, rates[names[0]])) for n, v in rates.items()}
+    print(f"\n{a.model}, {len(prompts) - 1} HumanEval prompts x {a.max_tokens} tokens, greedy, "
+          f"{a.threads} threads")
+    print(f"| engine | median tok/s | median ratio vs llama.cpp |\n|---|---|---|")
+    for n in names:
+        print(f"| {n} | {med[n]:.2f} | {ratio[n]:.2f}x |")
+    print(f"acceptance rate (median): {statistics.median(acc):.3f}; tokens identical to llama.cpp "
+          f"before the first difference (median): {statistics.median(agree)}")
+    print(json.dumps({"benchmark": "llamacpp", "model": a.model, "draft": a.draft or "ngram", "k": k,
+                      "threads": a.threads, "prompts": len(prompts) - 1, "max_tokens": a.max_tokens,
+                      "median_tok_s": med, "median_ratio_vs_llamacpp": ratio,
+                      "acceptance_rate": statistics.median(acc)}))
+
+
+if __name__ == "__main__":
+    main()
