@@ -3,13 +3,13 @@
 * Loading reads the GGUF itself (not the fp32 conversion cache): every matrix stays a quantised
   kernel weight, norms stay fp32, the tied head is the quantised embedding.
 * Greedy speculative output equals plain greedy output token for token with the native target:
-  n-gram proposer, and the native model as its own draft (batch-invariant kernel, so the
+  n-gram proposer, and the native model as its own draft (batch-invariant kernel and attention, so the
   verify forward over k + 1 rows gives each row the bits of the 1-row decode step).
 * Logits against the fp32-dequantised model.  The native model multiplies int8-rounded
   activations (|x - x^| <= amax / 254 per 32-block, ~0.4% of a block's largest entry) and the
-  rounding compounds over 30 layers.  Measured on this prompt set (all positions): max
-  |delta logit| ~2.2 on logits of magnitude ~40, relative RMS ~2%, the fp32 model's argmax kept
-  at ~97% of positions.  The test allows 2x that (relative RMS < 5%, argmax kept >= 90%):
+  rounding compounds over 30 layers.  Measured on these three prompts (all positions): relative
+  RMS logit error 2.8-3.7%, max |delta logit| 1.95 on logits up to ~39, the fp32 model's argmax
+  kept at 97-100% of positions.  The test allows 2x (relative RMS < 7.5%, argmax kept >= 90%):
   a decoding or packing bug gives O(1) relative error and argmax agreement near chance.
 """
 
@@ -53,7 +53,7 @@ def test_logits_close_to_fp32_dequantised(native, smollm2):
         b = ref.forward(ids, pos, ref.new_cache(1, 256))
         errs.append(((a - b).pow(2).mean() / b.pow(2).mean()).sqrt().item())
         kept.append((a.argmax(-1) == b.argmax(-1)).float().mean().item())
-    assert max(errs) < 0.05, errs
+    assert max(errs) < 0.075, errs
     assert min(kept) >= 0.9, kept
 
 

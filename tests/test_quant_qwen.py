@@ -4,7 +4,7 @@ Greedy speculative output equals plain greedy output token for token on 10 Human
 128 tokens, k in {1, 3, 5, 8}, and batched: test_qwen_pair's tests, run on the native pair.  The
 target is the 1.5B as the int8-activation kernel computes it (Q4_K/Q6_K blocks); the draft runs
 its own Q5_0/Q8_0/Q4_K/Q6_K blocks, which only changes which drafts are accepted.  The native target's logits stay close to the fp32-dequantised
-model's (measured: argmax kept at >= 90% of positions; the test's bounds are stated below).
+model's, within the bounds used (and explained) for SmolLM2 in tests/test_quant_model.py.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def pair():
 
 
 def test_native_logits_close_to_fp32(pair, prompts):
-    """Relative RMS logit error < 5% and argmax kept at >= 90% of prompt positions (the same
+    """Relative RMS logit error < 7.5% and argmax kept at >= 90% of prompt positions (the same
     bounds as SmolLM2's, tests/test_quant_model.py, which explains them)."""
     from specdec.api import load_model
 
@@ -44,4 +44,4 @@ def test_native_logits_close_to_fp32(pair, prompts):
     kept = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
     print(f"qwen 1.5B native vs fp32: relative RMS {rel:.4f}, argmax kept {kept:.3f}, "
           f"max |delta| {(a - b).abs().max().item():.3f}")
-    assert rel < 0.05 and kept >= 0.9
+    assert rel < 0.075 and kept >= 0.9
