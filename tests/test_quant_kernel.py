@@ -139,7 +139,8 @@ def test_kernel_exact_math_and_batch_invariance(qtype, n, blocks, m, bias, seed)
     qt = random_blocks(qtype, n, k, seed)
     qw = Q.prepare_quant([qt])
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=g) * torch.rand(m, k // 32, 1, generator=g).repeat_interleave(32, 1).view(m, k)
+    block_scale = torch.rand(m, k // 32, 1, generator=g).expand(m, k // 32, 32).reshape(m, k)
+    x = torch.randn(m, k, generator=g) * block_scale  # blocks of different magnitude
     b = torch.randn(n, generator=g) if bias else None
     y = K.linear(x, qw, b)
     check_against_exact(y, x, qt, b)

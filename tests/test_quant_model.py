@@ -3,8 +3,8 @@
 * Loading reads the GGUF itself (not the fp32 conversion cache): every matrix stays a quantised
   kernel weight, norms stay fp32, the tied head is the quantised embedding.
 * Greedy speculative output equals plain greedy output token for token with the native target:
-  n-gram proposer, and the native model as its own draft (batch-invariant kernel and attention, so the
-  verify forward over k + 1 rows gives each row the bits of the 1-row decode step).
+  n-gram proposer, and the native model as its own draft (batch-invariant kernel and attention,
+  so the verify forward over k + 1 rows gives each row the bits of the 1-row decode step).
 * Logits against the fp32-dequantised model.  The native model multiplies int8-rounded
   activations (|x - x^| <= amax / 254 per 32-block, ~0.4% of a block's largest entry) and the
   rounding compounds over 30 layers.  Measured on these three prompts (all positions): relative

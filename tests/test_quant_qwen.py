@@ -3,8 +3,9 @@
 Greedy speculative output equals plain greedy output token for token on 10 HumanEval prompts x
 128 tokens, k in {1, 3, 5, 8}, and batched: test_qwen_pair's tests, run on the native pair.  The
 target is the 1.5B as the int8-activation kernel computes it (Q4_K/Q6_K blocks); the draft runs
-its own Q5_0/Q8_0/Q4_K/Q6_K blocks, which only changes which drafts are accepted.  The native target's logits stay close to the fp32-dequantised
-model's, within the bounds used (and explained) for SmolLM2 in tests/test_quant_model.py.
+its own Q5_0/Q8_0/Q4_K/Q6_K blocks, which only changes which drafts are accepted.  The native
+target's logits stay close to the fp32-dequantised model's, within the bounds used (and
+explained) for SmolLM2 in tests/test_quant_model.py.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import torch
 
 # test_qwen_pair's prompts, plain run and greedy-equivalence tests, collected again here where
 # `pair` is the native pair.
-from test_qwen_pair import plain, prompts, test_batched_rows_equal_plain, test_greedy_spec_equals_plain  # noqa: F401
+from test_qwen_pair import (plain, prompts, test_batched_rows_equal_plain,  # noqa: F401
+                            test_greedy_spec_equals_plain)
 
 pytestmark = pytest.mark.slow
 
