@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from specdec.kernels import quant
 
-__all__ = ["PreparedWeight", "prepare_weight", "prepare_quant", "QuantTensor", "linear", "attention",
+__all__ = ["PreparedWeight", "prepare_weight", "prepare_quant", "QuantTensor", "linear",
            "kernel_available", "kernel_isa", "build", "MAX_KERNEL_ROWS", "NR"]
 
 log = logging.getLogger(__name__)
@@ -223,21 +223,6 @@ def linear(x: torch.Tensor, w: PreparedWeight | quant.QuantWeight,
         return _ext.linear(x, w.packed, bias, w.n, torch.get_num_threads(),
                            2 if mode == "avx2" else 0)  # isa 0: best available
     return F.linear(x, w.dense, bias)
-
-
-def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-              allowed: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T / sqrt(D) | allowed) v, each query row computed on its own (attention.cpp):
-    a row's bits do not depend on how many rows or key slots share the call, which greedy
-    speculative == plain decoding needs under --dtype native.  F.scaled_dot_product_attention
-    where the extension cannot run (or SPECDEC_KERNEL=torch).
-
-    q [B, H, T, D]; keys, values [B, Hkv, S, D]; allowed [B, 1, T, S] bool -> [B, H, T, D].
-    """
-    if (os.environ.get("SPECDEC_KERNEL") != "torch" and q.is_cpu and q.dtype == torch.float32
-            and keys.stride(-1) == 1 and values.stride(-1) == 1 and quant._qext() is not None):
-        return quant._ext.attention(q, keys, values, allowed, torch.get_num_threads())
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, enable_gqa=True)
 
 
 def _kernel_linear(x: torch.Tensor, w: PreparedWeight,

@@ -497,17 +497,11 @@ std::vector<int64_t> layout(int64_t fmt) { return {record_k(fmt), record_bytes(f
 
 }  // namespace
 
-torch::Tensor invariant_attention(const torch::Tensor& q, const torch::Tensor& k,
-                                  const torch::Tensor& v, const torch::Tensor& allowed,
-                                  int64_t nthreads);  // attention.cpp
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "specdec few-row linear on GGUF-quantised weights (AVX2, int8 activations)";
   m.def("qlinear", &qlinear, "out = x @ [W_0; W_1; ...]^T (+ bias), W quantised and repacked",
         py::arg("x"), py::arg("packed"), py::arg("fmts"), py::arg("ns"), py::arg("bias"),
         py::arg("nthreads"), py::arg("isa") = 0);
   m.def("best_isa", &best_isa, "ISA used for isa=0: 512 (AVX-512 VNNI) or 2 (AVX2)");
-  m.def("attention", &invariant_attention, "batch-invariant attention (see attention.cpp)",
-        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("allowed"), py::arg("nthreads"));
   m.def("layout", &layout, "(k per record, bytes per panel record) of a format");
 }

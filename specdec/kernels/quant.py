@@ -279,7 +279,7 @@ def _qext():
         _tried = True
         from specdec.kernels import _load_extension, kernel_available
 
-        _ext = _load_extension("specdec_qlinear", ["qlinear.cpp", "attention.cpp"]) if kernel_available() else None
+        _ext = _load_extension("specdec_qlinear", ["qlinear.cpp"]) if kernel_available() else None
     return _ext
 
 
