@@ -152,7 +152,7 @@ class AdaptiveK:
         self.cost = cost
         self.target: dict[int, CostCurve] = {}  # batch size -> curve over T = k + 1
         self.draft: dict[str, CostCurve] = {}  # proposer (source) name -> curve over k
-        self.last_source: dict[int, str] = {}  # request id -> proposer that drafted its last round
+        self.sources: dict[int, dict[str, float]] = {}  # request id -> decayed rounds per proposer
         self.pool = _Acceptance()  # engine-wide, seeds new requests
         self.state: dict[int, _Acceptance] = {}  # request id -> its own counts
         self.chosen = Counter()
@@ -162,12 +162,12 @@ class AdaptiveK:
 
     def release(self, req) -> None:
         self.state.pop(req.id, None)
-        self.last_source.pop(req.id, None)
+        self.sources.pop(req.id, None)
 
     def _prior(self, k: int) -> list[float]:
         return self.pool.alphas(k, [PRIOR_ALPHA] * k) if k else []
 
-    def _round_cost(self, batch_size: int, k: int, req_source: str | None = None) -> float:
+    def _round_cost(self, batch_size: int, k: int, shares: dict[str, float] | None = None) -> float:
         if self.cost is not None:
             return self.cost(batch_size, k)
         curve = self.target.get(batch_size)
@@ -178,17 +178,21 @@ class AdaptiveK:
         tt = curve.estimate(k + 1) if curve else None
         if tt is None:
             tt = t1 * (1 + VERIFY_PRIOR_SLOPE * k)
-        return tt + self._draft_cost(req_source, k, t1)
+        return tt + self._draft_cost(shares, k, t1)
 
-    def _draft_cost(self, source: str | None, k: int, t1: float) -> float:
-        """The request's last proposer's measured curve (a composite's n-gram rounds are nearly
-        free, its draft-model rounds are not); before that, the costliest curve measured."""
-        curve = self.draft.get(source)
-        if curve is None and self.draft:
-            curve = max(self.draft.values(), key=lambda c: c.estimate(1) or 0.0)
-        if curve is None or len(curve.seen) < 2:
-            return DRAFT_PRIOR_C * t1 * k
-        return curve.estimate(k)
+    def _draft_cost(self, shares: dict[str, float] | None, k: int, t1: float) -> float:
+        """Measured draft cost at k, mixed by how often each proposer drafted for this request
+        lately (a composite's n-gram rounds are nearly free, its draft-model rounds are not);
+        before any round, the costliest curve measured."""
+        def cost(curve):
+            return curve.estimate(k) if curve is not None and len(curve.seen) >= 2 else DRAFT_PRIOR_C * t1 * k
+
+        total = sum(shares.values()) if shares else 0.0
+        if total > 0:
+            return sum(w * cost(self.draft.get(src)) for src, w in shares.items()) / total
+        if self.draft:
+            return max(cost(c) for c in self.draft.values())
+        return DRAFT_PRIOR_C * t1 * k
 
     def choose(self, req, batch_size: int, limit: int) -> int:
         kmax = min(self.k_max, limit)
@@ -197,7 +201,7 @@ class AdaptiveK:
         alphas = self.state[req.id].alphas(kmax, self._prior(kmax))
         best_k, best = 0, -1.0
         for k in range(kmax + 1):
-            cost = self._round_cost(batch_size, k, self.last_source.get(req.id))
+            cost = self._round_cost(batch_size, k, self.sources.get(req.id))
             rate = expected_tokens(alphas, k) / max(cost, 1e-12)
             if rate > best * (1 + 1e-9):  # ties go to the smaller k
                 best_k, best = k, rate
@@ -209,9 +213,12 @@ class AdaptiveK:
         if st is None:
             return
         st.decay()
+        shares = self.sources.setdefault(req.id, {})
+        for src in shares:
+            shares[src] *= DECAY
         if num_draft:
             if source is not None:
-                self.last_source[req.id] = source
+                shares[source] = shares.get(source, 0.0) + 1.0
             st.observe(num_draft, n_accepted)
             self.pool.observe(num_draft, n_accepted)
 
