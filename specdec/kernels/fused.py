@@ -146,5 +146,6 @@ def attend(step: Step, qkv: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, H:
     vc[row_idx, :, positions] = v.transpose(1, 2)
     keys = kc[step.rows_index, :, :step.S]  # [B, Hkv, S, D]
     values = vc[step.rows_index, :, :step.S]
-    o = kernels.attention(q, keys, values, step.allowed)  # [B, H, T, D]
+    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.allowed,
+                                       enable_gqa=True)  # [B, H, T, D]
     return o.transpose(1, 2).reshape(B, T, H * D)
