@@ -167,18 +167,22 @@ class AdaptiveK:
     def _prior(self, k: int) -> list[float]:
         return self.pool.alphas(k, [PRIOR_ALPHA] * k) if k else []
 
-    def _round_cost(self, batch_size: int, k: int, shares: dict[str, float] | None = None) -> float:
+    def _round_costs(self, batch_size: int, kmax: int, shares: dict[str, float] | None) -> list[float]:
+        """cost(k) for k = 0..kmax (the base t_target(B, 1) is looked up once)."""
         if self.cost is not None:
-            return self.cost(batch_size, k)
+            return [self.cost(batch_size, k) for k in range(kmax + 1)]
         curve = self.target.get(batch_size)
         t1 = curve.estimate(1) if curve else None
         if t1 is None:  # nothing measured for this batch size: borrow the closest one's
             others = [c.estimate(1) for c in self.target.values()]
             t1 = min(others) if others else 1.0
-        tt = curve.estimate(k + 1) if curve else None
-        if tt is None:
-            tt = t1 * (1 + VERIFY_PRIOR_SLOPE * k)
-        return tt + self._draft_cost(shares, k, t1)
+        costs = []
+        for k in range(kmax + 1):
+            tt = curve.estimate(k + 1) if curve else None
+            if tt is None:
+                tt = t1 * (1 + VERIFY_PRIOR_SLOPE * k)
+            costs.append(tt + self._draft_cost(shares, k, t1))
+        return costs
 
     def _draft_cost(self, shares: dict[str, float] | None, k: int, t1: float) -> float:
         """Measured draft cost at k, mixed by how often each proposer drafted for this request
@@ -199,9 +203,9 @@ class AdaptiveK:
         if kmax <= 0:
             return 0
         alphas = self.state[req.id].alphas(kmax, self._prior(kmax))
+        costs = self._round_costs(batch_size, kmax, self.sources.get(req.id))
         best_k, best = 0, -1.0
-        for k in range(kmax + 1):
-            cost = self._round_cost(batch_size, k, self.sources.get(req.id))
+        for k, cost in enumerate(costs):
             rate = expected_tokens(alphas, k) / max(cost, 1e-12)
             if rate > best * (1 + 1e-9):  # ties go to the smaller k
                 best_k, best = k, rate
