@@ -159,6 +159,40 @@ def test_kernel_exact_math_and_batch_invariance(qtype, n, blocks, m, bias, seed)
                 assert torch.equal(yi[0], y[i]), (isa, nt, i)
 
 
+# Byte ranges of each block type that hold weight codes (GGUF layout), and the byte that puts
+# every code at its extreme: the largest integer sums the kernel can form.
+CODE_BYTES = {"Q8_0": [(2, 34)], "Q4_0": [(2, 18)], "Q4_1": [(4, 20)], "Q5_0": [(2, 22)],
+              "Q4_K": [(16, 144)], "Q6_K": [(0, 192)]}
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("code_byte", [0xFF, 0x80])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_kernel_extreme_codes_do_not_saturate(qtype, code_byte, sign):
+    """Every code at its maximum (0xFF; Q8_0: -1, and 0x80 = -128) against |xq| = 127 of one sign
+    in every position: the integer sums reach their bound (the AVX2 path adds up to 8 k-steps of
+    maddubs results in int16 before widening).  Any saturation or wrap-around would be off by
+    far more than the fp32 tolerance of check_against_exact."""
+    if not have_kernel():
+        pytest.skip("no C++ kernel on this CPU")
+    f = Q.QUANT_TYPES[qtype]
+    n, k = 19, 2 * f.rk
+    qt = random_blocks(qtype, n, k, seed=7)
+    raw = qt.raw.reshape(n, k // f.block, f.tsize).copy()
+    for a, b in CODE_BYTES[qtype]:
+        raw[..., a:b] = code_byte
+    qt = Q.QuantTensor(qtype, raw.reshape(n, -1), (n, k))
+    qw = Q.prepare_quant([qt])
+    x = torch.full((5, k), sign)
+    x[1] *= torch.linspace(0.5, 1.0, k)  # still one sign, |xq| up to 127
+    y = K.linear(x, qw)
+    check_against_exact(y, x, qt)
+    for isa in isas():
+        for i in range(5):
+            yi = Q._ext.qlinear(x[i:i + 1].contiguous(), qw.packed, [f.fid], [n], None, 1, isa)
+            assert torch.equal(yi[0], y[i]), (isa, i)
+
+
 @pytest.mark.parametrize("qtype", TYPES)
 def test_fused_segments_many_rows_and_fallback(qtype, monkeypatch):
     """Mixed-format row blocks in one call (as q/k/v fuse), M = 40 rows, bias; the torch

@@ -179,40 +179,69 @@ inline void epilogue(const int32_t (*c)[NR], const Act& a, int64_t m0, int64_t k
   }
 }
 
+// k-steps whose maddubs results can be summed in int16 before widening, exactly: one
+// k-step adds at most 2 * qmax * 127 to a lane (qmax = 15, 31, 63 for 4-, 5-, 6-bit codes,
+// |xq| <= 127), so 8 (4-bit: 30480), 4 (5-bit: 31496) or 2 (6-bit: 32004) of them stay
+// below 32767.  Q8_0 (|w| up to 128: 32512 per k-step) widens every k-step.  Integer sums
+// are exact in any order, so this changes the instruction count, not a single bit.
+template <int F>
+constexpr int i16_steps() {
+  constexpr int bits = Traits<F>::bits, ns = Traits<F>::sb / 4;
+  constexpr int g = bits == 4 ? 8 : bits == 5 ? 4 : bits == 6 ? 2 : 1;
+  return g < ns ? g : ns;
+}
+
 // R rows x one sub-block j of a record: integer dot products, then the fp32 steps.
 template <int F, int R>
 inline void sub_block(const uint8_t* lo, const uint8_t* hi, int j, const Act& a, int64_t m0,
                       int64_t kb, const float* ws, const float* wm, float* acc) {
-  constexpr int sb = Traits<F>::sb, ns = sb / 4;
+  constexpr int sb = Traits<F>::sb, ns = sb / 4, G = i16_steps<F>();
+  static_assert(ns % G == 0, "k-steps per sub-block must be a multiple of the int16 run");
   const __m256i ones = _mm256_set1_epi16(1);
   __m256i c[R][2];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) c[r][0] = c[r][1] = _mm256_setzero_si256();
   const int8_t* x = a.xq + m0 * a.K + kb;  // kb: this sub-block's first k
 #pragma GCC unroll 8
-  for (int t = 0; t < ns; ++t) {
-    __m256i w0, w1;
-    decode<F>(lo, hi, j * ns + t, w0, w1);
-    __m256i u0 = w0, u1 = w1;
-    if constexpr (F == Q8_0) {  // maddubs wants unsigned x signed: |w| x sign(x, w)
-      u0 = _mm256_abs_epi8(w0);
-      u1 = _mm256_abs_epi8(w1);
+  for (int t0 = 0; t0 < ns; t0 += G) {
+    __m256i s[R][2];  // int16 partial sums over G k-steps (exact, see i16_steps)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int t = t0; t < t0 + G; ++t) {
+      __m256i w0, w1;
+      decode<F>(lo, hi, j * ns + t, w0, w1);
+      __m256i u0 = w0, u1 = w1;
+      if constexpr (F == Q8_0) {  // maddubs wants unsigned x signed: |w| x sign(x, w)
+        u0 = _mm256_abs_epi8(w0);
+        u1 = _mm256_abs_epi8(w1);
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        int32_t x4;
+        std::memcpy(&x4, x + r * a.K + 4 * t, 4);
+        const __m256i xb = _mm256_set1_epi32(x4);
+        __m256i p0, p1;
+        if constexpr (F == Q8_0) {
+          p0 = _mm256_maddubs_epi16(u0, _mm256_sign_epi8(xb, w0));
+          p1 = _mm256_maddubs_epi16(u1, _mm256_sign_epi8(xb, w1));
+        } else {  // codes <= 63, |xq| <= 127: pair sums <= 16002, no saturation
+          p0 = _mm256_maddubs_epi16(u0, xb);
+          p1 = _mm256_maddubs_epi16(u1, xb);
+        }
+        if constexpr (G == 1) {
+          s[r][0] = p0;
+          s[r][1] = p1;
+        } else {
+          s[r][0] = _mm256_add_epi16(s[r][0], p0);
+          s[r][1] = _mm256_add_epi16(s[r][1], p1);
+        }
+      }
     }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      int32_t x4;
-      std::memcpy(&x4, x + r * a.K + 4 * t, 4);
-      const __m256i xb = _mm256_set1_epi32(x4);
-      __m256i p0, p1;
-      if constexpr (F == Q8_0) {
-        p0 = _mm256_maddubs_epi16(u0, _mm256_sign_epi8(xb, w0));
-        p1 = _mm256_maddubs_epi16(u1, _mm256_sign_epi8(xb, w1));
-      } else {  // codes <= 63, |xq| <= 127: pair sums <= 16002, no saturation
-        p0 = _mm256_maddubs_epi16(u0, xb);
-        p1 = _mm256_maddubs_epi16(u1, xb);
-      }
-      c[r][0] = _mm256_add_epi32(c[r][0], _mm256_madd_epi16(p0, ones));
-      c[r][1] = _mm256_add_epi32(c[r][1], _mm256_madd_epi16(p1, ones));
+      c[r][0] = _mm256_add_epi32(c[r][0], _mm256_madd_epi16(s[r][0], ones));
+      c[r][1] = _mm256_add_epi32(c[r][1], _mm256_madd_epi16(s[r][1], ones));
     }
   }
   alignas(32) int32_t ci[R][NR];
