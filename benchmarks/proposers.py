@@ -45,11 +45,13 @@ def build_engines(target, tok, draft, V, ks):
         engines["adaptive ngram"] = eng(NgramProposer(1, 4), "auto")
         return engines
     engines["ngram k=4"] = eng(NgramProposer(1, 4), 4)
+    engines["ngram k=8"] = eng(NgramProposer(1, 4), 8)
     for k in ks:
         engines[f"draft k={k}"] = eng(DraftModelProposer(draft, V, 2048), k)
     engines["composite k=4"] = eng(CompositeProposer([NgramProposer(1, 4), DraftModelProposer(draft, V, 2048)]), 4)
     engines["adaptive composite"] = eng(
         CompositeProposer([NgramProposer(1, 4), DraftModelProposer(draft, V, 2048)]), "auto")
+    engines["adaptive ngram"] = eng(NgramProposer(1, 4), "auto")
     return engines
 
 
@@ -100,6 +102,8 @@ def run_model(key, a):
         e.generate([warm], SamplingParams(temperature=0, max_tokens=4))
     results = {}
     for set_name, source in (("copy", "copy"), ("open", "chat")):
+        if set_name not in a.sets.split(","):
+            continue
         prompts = [tok.encode_prompt(p) for p in load_prompts(source, a.num_prompts)]
         tps = {n: [] for n in engines}
         stats = {n: SpecStats() for n in engines}
@@ -137,6 +141,8 @@ def run_model(key, a):
                                  statistics.median([x / b for x, b in zip(v, hf_base)])})
         fixed = [r for r in rows if " k=" in r["config"]]
         best = max(fixed, key=lambda r: r["speedup"])
+        # the adaptive row the goal is judged on: the default set-up (composite where a draft
+        # model exists); the other adaptive rows are shown beside it
         adaptive = next(r for r in rows if r["config"].startswith("adaptive"))
         ngram = max((r for r in rows if r["config"].startswith("ngram")), key=lambda r: r["speedup"])
         results[set_name] = {"rows": rows, "best_fixed": best["config"],
@@ -164,6 +170,7 @@ def main():
     ap.add_argument("--num-prompts", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--sets", default="copy,open", help="prompt sets: copy (copy-heavy), open")
     ap.add_argument("--no-transformers", dest="transformers", action="store_false")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -172,14 +179,15 @@ def main():
     for key in a.models.split(","):
         out[key] = run_model(key, a)
         print_model(out[key], a)
-    goals = {}
-    if "smollm2" in out or "qwen" in out:
-        for key, res in out.items():
-            s = res["sets"]
-            goals[key] = {"ngram_ge_2.5x_on_copy": s["copy"]["ngram_vs_plain"] >= 2.5,
-                          "adaptive_ge_0.97x_on_open": s["open"]["adaptive_vs_plain"] >= 0.97,
-                          "adaptive_within_5pct_of_best_fixed": all(
-                              s[x]["adaptive_vs_best_fixed"] >= 0.95 for x in s)}
+    goals = {}  # each goal judged only where its prompt set ran
+    for key, res in out.items():
+        s, g = res["sets"], {}
+        if "copy" in s:
+            g["ngram_ge_2.5x_on_copy"] = s["copy"]["ngram_vs_plain"] >= 2.5
+        if "open" in s:
+            g["adaptive_ge_0.97x_on_open"] = s["open"]["adaptive_vs_plain"] >= 0.97
+        g["adaptive_within_5pct_of_best_fixed"] = all(s[x]["adaptive_vs_best_fixed"] >= 0.95 for x in s)
+        goals[key] = g
     print("\ngoals: " + json.dumps(goals))
     print(json.dumps({"benchmark": "proposers", "threads": a.threads, "num_prompts": a.num_prompts,
                       "max_tokens": a.max_tokens, "results": out, "goals": goals}))

@@ -9,7 +9,11 @@ Adaptive k (`num_draft_tokens="auto"`) picks, each round and for each request, t
 
 alpha_i is the request's running estimate of P(draft i accepted | drafts 1..i-1 accepted): a
 Beta-smoothed ratio of decayed counts (accepted at i / reached i), started from the engine-wide
-pool so a new request inherits what earlier requests taught. Counts decay every round, also in
+pool so a new request inherits what earlier requests taught.  Estimates and draft costs are kept
+per proposer: before choosing, the engine asks the proposer which of its parts would draft this
+round and how many tokens it has (`Proposer.peek`: a composite's n-gram lookup has a match of 3
+tokens, or it has none and the draft model would run), so a free n-gram match with near-certain
+acceptance and a costly draft-model round with an uncertain one are priced as what they are. Counts decay every round, also in
 rounds that drafted nothing, so a request that dropped to k = 0 drifts back toward the prior and
 probes again: the estimate cannot lock itself out.
 
@@ -106,6 +110,10 @@ class _Acceptance:
             self.reached[i] += 1
             self.accepted[i] += float(i < n_accepted)
 
+    def rate(self, prior: float) -> float:
+        """Acceptance over all positions together, Beta-smoothed toward `prior`."""
+        return (sum(self.accepted) + PRIOR_STRENGTH * prior) / (sum(self.reached) + PRIOR_STRENGTH)
+
     def alphas(self, k: int, prior: list[float]) -> list[float]:
         out = []
         for i in range(k):
@@ -122,8 +130,9 @@ class FixedK:
         self.k = k
         self.k_max = k
 
-    def choose(self, req, batch_size: int, limit: int) -> int:
-        return min(self.k, limit)
+    def choose(self, req, batch_size: int, limit: int, source: str | None = None,
+               available: int | None = None) -> int:
+        return min(self.k, limit)  # a fixed k is asked for even where the proposer has fewer
 
     def begin(self, req) -> None:
         pass
@@ -131,7 +140,8 @@ class FixedK:
     def release(self, req) -> None:
         pass
 
-    def observe_round(self, req, num_draft: int, n_accepted: int, source: str | None = None) -> None:
+    def observe_round(self, req, num_draft: int, n_accepted: int, source: str | None = None,
+                      key: str | None = None) -> None:
         pass
 
     def observe_target(self, batch_size: int, width: int, seconds: float) -> None:
@@ -153,21 +163,35 @@ class AdaptiveK:
         self.target: dict[int, CostCurve] = {}  # batch size -> curve over T = k + 1
         self.draft: dict[str, CostCurve] = {}  # proposer (source) name -> curve over k
         self.sources: dict[int, dict[str, float]] = {}  # request id -> decayed rounds per proposer
-        self.pool = _Acceptance()  # engine-wide, seeds new requests
-        self.state: dict[int, _Acceptance] = {}  # request id -> its own counts
+        # Acceptance counts per proposer (key: its name; None: all proposers together, what a
+        # choice without a known proposer uses): engine-wide pools seed each request's own.
+        self.pool: dict[str | None, _Acceptance] = {}
+        self.state: dict[int, dict[str | None, _Acceptance]] = {}  # request id -> its counts
         self.chosen = Counter()
+        # proposers that run no model (n-gram lookup): drafting costs ~nothing until measured
+        self.free_sources: set[str] = set()
 
     def begin(self, req) -> None:
-        self.state[req.id] = _Acceptance()
+        self.state[req.id] = {}
 
     def release(self, req) -> None:
         self.state.pop(req.id, None)
         self.sources.pop(req.id, None)
 
-    def _prior(self, k: int) -> list[float]:
-        return self.pool.alphas(k, [PRIOR_ALPHA] * k) if k else []
+    def _alphas(self, req, source: str | None, k: int) -> list[float]:
+        """Per-position estimates shrunk toward the request's overall rate, itself shrunk toward
+        the pool's (and that toward PRIOR_ALPHA).  Pooling positions matters near alpha = 1:
+        each position alone sees few rounds, and a prior pulling all k of them down compounds
+        in the product (8 positions at 0.9 instead of 0.97: 0.43 instead of 0.78)."""
+        # a proposer not seen yet starts from PRIOR_ALPHA, not from the others' record (a
+        # composite's useless 1-token n-gram matches must not condemn its draft model unseen)
+        pool = self.pool.get(source) or (self.pool.get(None) if source is None else None) or _Acceptance()
+        own = self.state[req.id].get(source) or _Acceptance()
+        rate = own.rate(pool.rate(PRIOR_ALPHA))
+        return own.alphas(k, [rate] * k)
 
-    def _round_costs(self, batch_size: int, kmax: int, shares: dict[str, float] | None) -> list[float]:
+    def _round_costs(self, batch_size: int, kmax: int, shares: dict[str, float] | None,
+                     source: str | None = None) -> list[float]:
         """cost(k) for k = 0..kmax (the base t_target(B, 1) is looked up once)."""
         if self.cost is not None:
             return [self.cost(batch_size, k) for k in range(kmax + 1)]
@@ -181,54 +205,86 @@ class AdaptiveK:
             tt = curve.estimate(k + 1) if curve else None
             if tt is None:
                 tt = t1 * (1 + VERIFY_PRIOR_SLOPE * k)
-            costs.append(tt + self._draft_cost(shares, k, t1))
+            costs.append(tt + self._draft_cost({source: 1.0} if source else shares, k, t1))
         return costs
 
     def _draft_cost(self, shares: dict[str, float] | None, k: int, t1: float) -> float:
         """Measured draft cost at k, mixed by how often each proposer drafted for this request
         lately (a composite's n-gram rounds are nearly free, its draft-model rounds are not);
         before any round, the costliest curve measured."""
-        def cost(curve):
-            return curve.estimate(k) if curve is not None and len(curve.seen) >= 2 else DRAFT_PRIOR_C * t1 * k
+        def cost(curve, src=None):
+            if curve is not None and len(curve.seen) >= 2:
+                return curve.estimate(k)
+            return 0.0 if src in self.free_sources else DRAFT_PRIOR_C * t1 * k
 
         total = sum(shares.values()) if shares else 0.0
         if total > 0:
-            return sum(w * cost(self.draft.get(src)) for src, w in shares.items()) / total
+            return sum(w * cost(self.draft.get(src), src) for src, w in shares.items()) / total
         if self.draft:
             return max(cost(c) for c in self.draft.values())
         return DRAFT_PRIOR_C * t1 * k
 
-    def choose(self, req, batch_size: int, limit: int) -> int:
-        kmax = min(self.k_max, limit)
-        if kmax <= 0:
-            return 0
-        alphas = self.state[req.id].alphas(kmax, self._prior(kmax))
-        costs = self._round_costs(batch_size, kmax, self.sources.get(req.id))
+    def choose(self, req, batch_size: int, limit: int, source: str | None = None,
+               available: int | None = None) -> int:
+        """k for this round.  source / available: the proposer that would draft and how many
+        tokens it has (None: unknown; costs are then mixed by the request's recent proposers)."""
+        kmax = min(self.k_max, limit, self.k_max if available is None else available)
+        k = self._best(req, batch_size, kmax, source)[0] if kmax > 0 else 0
+        self.chosen[k] += 1
+        return k
+
+    def choose_among(self, req, batch_size: int, limit: int,
+                     candidates: list[tuple]) -> tuple[int, str | None, str | None]:
+        """(k, proposer, acceptance key) for this round: each candidate (name, tokens it has[,
+        key]) is priced with its own acceptance (by key) and cost (by name), and the best rate
+        wins (k = 0: a plain round, proposer and key None)."""
+        best_k, best_src, best_key, best = 0, None, None, -1.0
+        for cand in candidates:
+            src, n = cand[0], cand[1]
+            key = cand[2] if len(cand) > 2 else src
+            kmax = min(self.k_max, limit, n)
+            if kmax > 0:
+                k, rate = self._best(req, batch_size, kmax, src, key)
+                if rate > best * (1 + 1e-9):
+                    best_k, best_src, best_key, best = k, src, key, rate
+        self.chosen[best_k] += 1
+        return (best_k, best_src, best_key) if best_k else (0, None, None)
+
+    def _best(self, req, batch_size: int, kmax: int, source: str | None,
+              key: str | None = None) -> tuple[int, float]:
+        """argmax over k in [0, kmax] of E[tokens] / cost, and that rate."""
+        alphas = self._alphas(req, key or source, kmax)
+        costs = self._round_costs(batch_size, kmax, self.sources.get(req.id), source)
         best_k, best = 0, -1.0
         for k, cost in enumerate(costs):
             rate = expected_tokens(alphas, k) / max(cost, 1e-12)
             if rate > best * (1 + 1e-9):  # ties go to the smaller k
                 best_k, best = k, rate
-        self.chosen[best_k] += 1
-        return best_k
+        return best_k, best
 
-    def observe_round(self, req, num_draft: int, n_accepted: int, source: str | None = None) -> None:
+    def observe_round(self, req, num_draft: int, n_accepted: int, source: str | None = None,
+                      key: str | None = None) -> None:
+        """key: the acceptance record the round belongs to (default: source)."""
         st = self.state.get(req.id)
         if st is None:
             return
-        st.decay()
+        for counts in st.values():
+            counts.decay()
         shares = self.sources.setdefault(req.id, {})
         for src in shares:
             shares[src] *= DECAY
         if num_draft:
+            keys = [None] if source is None else [None, key or source]
             if source is not None:
                 shares[source] = shares.get(source, 0.0) + 1.0
-            st.observe(num_draft, n_accepted)
-            self.pool.observe(num_draft, n_accepted)
+            for key in keys:
+                st.setdefault(key, _Acceptance()).observe(num_draft, n_accepted)
+                self.pool.setdefault(key, _Acceptance()).observe(num_draft, n_accepted)
 
     def observe_target(self, batch_size: int, width: int, seconds: float) -> None:
         """Once per round (so also where the pool forgets: per round, not per request)."""
-        self.pool.decay()
+        for counts in self.pool.values():
+            counts.decay()
         self.target.setdefault(batch_size, CostCurve(VERIFY_PRIOR_SLOPE)).observe(width, seconds)
 
     def observe_draft(self, k: int, seconds: float, source: str | None = None) -> None:

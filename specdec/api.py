@@ -81,20 +81,17 @@ class LLM:
             spec = speculative_config if isinstance(speculative_config, SpeculativeConfig) \
                 else SpeculativeConfig(**speculative_config)
             self.spec = spec
-            if spec.proposer in ("ngram", "composite"):
-                from specdec.proposers.ngram import NgramProposer
+            if spec.num_draft_tokens != 0:  # k = 0 is plain decoding: nothing to load
+                from specdec.harness import make_proposer
 
-                proposer = NgramProposer(spec.ngram_min, spec.ngram_max)
-            if spec.proposer in ("draft", "composite") and spec.num_draft_tokens != 0:
-                from specdec.proposers import DraftModelProposer
-                from specdec.proposers.composite import CompositeProposer
-
-                draft, dtok = load_model(spec.draft, spec.draft_dtype, device, progress)
-                vocab = check_draft_compatible(self.tokenizer, dtok, model, spec.draft)
-                vocab = min(vocab, draft.args.vocab_size, self.model.args.vocab_size)
-                max_len = min(max_model_len, self.model.args.max_seq_len, draft.args.max_seq_len)
-                dm = DraftModelProposer(draft, vocab, max_len, spec.draft_sampling)
-                proposer = dm if proposer is None else CompositeProposer([proposer, dm])
+                draft, max_len = None, max_model_len
+                if spec.proposer in ("draft", "composite"):
+                    draft, dtok = load_model(spec.draft, spec.draft_dtype, device, progress)
+                    vocab = check_draft_compatible(self.tokenizer, dtok, model, spec.draft)
+                    vocab = min(vocab, draft.args.vocab_size, self.model.args.vocab_size)
+                    max_len = min(max_model_len, self.model.args.max_seq_len, draft.args.max_seq_len)
+                proposer = make_proposer(spec.proposer, draft, vocab, max_len, spec.draft_sampling,
+                                         spec.ngram_min, spec.ngram_max)
         self.engine = Engine(self.model, self.tokenizer, proposer,
                              self.spec.num_draft_tokens if self.spec else 0,
                              max_batch=max_batch, max_seq_len=max_model_len, vocab_size=vocab,

@@ -25,10 +25,11 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec import rejection, sampling
-from specdec.adaptive import k_policy
+from specdec.adaptive import AdaptiveK, k_policy
 from specdec.config import DEFAULT_MAX_DRAFT_TOKENS, MAX_DRAFT_TOKENS, SamplingParams
 from specdec.errors import SpecdecError
 from specdec.metrics import SpecStats
+from specdec.proposers.base import peek
 from specdec.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -70,6 +71,9 @@ class Engine:
         self.tokenizer = tokenizer
         self.proposer = proposer
         self.policy = k_policy(num_draft_tokens if proposer is not None else 0, max_draft_tokens, k_cost)
+        if isinstance(self.policy, AdaptiveK):
+            parts = getattr(proposer, "proposers", [proposer])
+            self.policy.free_sources = {p.name for p in parts if not getattr(p, "runs_a_model", True)}
         # The real vocabulary: ids past it are embedding-table padding and never sampled.
         self.V = vocab_size or min(model.args.vocab_size, tokenizer.vocab_size)
         self.max_seq_len = min(max_seq_len or model.args.max_seq_len, model.args.max_seq_len)
@@ -166,13 +170,18 @@ class Engine:
             self.cache.advance(r.row, n)
             r.prefill_time += dt
 
-    def _budget(self, r: Request, batch_size: int) -> int:
-        """Draft tokens for this round: the policy's k, cut so that the round's k + 1 emitted
-        tokens fit in max_tokens and the context."""
+    def _budget(self, r: Request, batch_size: int) -> tuple[int, str | None, str | None]:
+        """(k, proposer, acceptance key) for this round: the policy's k, cut so that the round's
+        k + 1 emitted tokens fit in max_tokens and the context; adaptive k also picks which of
+        the proposer's parts drafts (None: the proposer's own order)."""
         if self.proposer is None:
-            return 0
+            return 0, None, None
         left = min(r.params.max_tokens - len(r.output), self.max_seq_len - len(r.tokens))
-        return self.policy.choose(r, batch_size, max(0, min(left - 1, MAX_DRAFT_TOKENS)))
+        limit = max(0, min(left - 1, MAX_DRAFT_TOKENS))
+        if isinstance(self.policy, AdaptiveK):  # price each part that could draft
+            cands = peek(self.proposer, r, min(limit, self.policy.k_max)) if limit > 0 else []
+            return self.policy.choose_among(r, batch_size, limit, cands)
+        return self.policy.choose(r, batch_size, limit), None, None
 
     @torch.inference_mode()
     def step(self) -> list[tuple[Request, str]]:
@@ -183,12 +192,15 @@ class Engine:
         self._prefill(reqs)
         dev = self.model.device
         B = len(reqs)
-        ks = [self._budget(r, B) for r in reqs]
+        ks, only, keys = map(list, zip(*[self._budget(r, B) for r in reqs]))
         t0 = time.perf_counter()
         proposed = self.proposer is not None and max(ks) > 0
         sources = [None] * B
         if proposed:
-            prop = self.proposer.propose(reqs, ks)
+            if any(only) and getattr(self.proposer, "proposers", None):  # a composite: route rows
+                prop = self.proposer.propose(reqs, ks, only=only)
+            else:
+                prop = self.proposer.propose(reqs, ks)
             drafts, num_draft, q = prop.tokens, prop.num_draft, prop.q
             sources = prop.source or [self.proposer.name] * B
         else:
@@ -229,7 +241,7 @@ class Engine:
             # Accepted drafts cut by a stop are neither emitted nor counted (PITFALLS 6).
             n_acc = min(n_acc, committed)
             r.stats.record_round(nd_l[b], n_acc, ks[b], sources[b])
-            self.policy.observe_round(r, nd_l[b], n_acc, sources[b])
+            self.policy.observe_round(r, nd_l[b], n_acc, sources[b], keys[b])
             # Target KV: committed tokens but the last. Drafts past the commit are rolled back.
             self.cache.set_length(r.row, min(L_b + n_acc, len(r.tokens) - 1))
             if proposed:  # a proposer is only told about rounds it was asked to draft for

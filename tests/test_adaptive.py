@@ -111,22 +111,91 @@ def test_measured_costs_drive_the_choice():
         assert (pol.choose(r, 1, 6) == 0) == want_zero
 
 
-def test_draft_cost_is_kept_per_proposer():
-    """A composite's n-gram rounds cost nothing to draft, its draft-model rounds cost ~c per
-    token: a request whose last round was drafted by the n-gram lookup gets a longer k than
-    one whose last round came from the draft model, at the same acceptance."""
+def _measured_policy(draft_per_token: float) -> AdaptiveK:
+    """AdaptiveK(8) with measured costs: target 1 + 0.02 k, n-gram ~free, draft c per token."""
     pol = AdaptiveK(8)
     for k in range(1, 9):
         pol.observe_target(1, k + 1, 1.0 + 0.02 * k)
         pol.observe_draft(k, 0.0001 * k, "ngram")
-        pol.observe_draft(k, 2.0 * k, "draft")  # a draft model slower than the target
+        pol.observe_draft(k, draft_per_token * k, "draft")
     pol.observe_target(1, 1, 1.0)
+    return pol
+
+
+def test_draft_cost_is_kept_per_proposer():
+    """A composite's n-gram rounds cost nothing to draft, its draft-model rounds cost ~c per
+    token: a request whose last round was drafted by the n-gram lookup gets a longer k than
+    one whose last round came from the draft model, at the same acceptance."""
+    pol = _measured_policy(draft_per_token=2.0)  # a draft model slower than the target
     via_ngram, via_draft = _Req(1), _Req(2)
     for r, src in ((via_ngram, "ngram"), (via_draft, "draft")):
         pol.begin(r)
         for _ in range(20):
             pol.observe_round(r, 8, 8, src)
     assert pol.choose(via_ngram, 1, 8) == 8 and pol.choose(via_draft, 1, 8) == 0
+
+
+def test_choice_priced_by_the_proposer_that_will_draft():
+    """Told which proposer drafts this round (Proposer.peek), the choice uses that proposer's own
+    acceptance and cost: a request whose n-gram matches were always accepted and whose
+    draft-model rounds were always rejected drafts long when the n-gram has a match and not at
+    all when only the draft model would draft; and a match of 3 tokens caps k at 3."""
+    pol = _measured_policy(draft_per_token=0.1)
+    r = _Req(1)
+    pol.begin(r)
+    for _ in range(10):
+        pol.observe_round(r, 8, 8, "ngram")
+        pol.observe_round(r, 4, 0, "draft")
+    assert pol.choose(r, 1, 8, "ngram", 8) == 8
+    assert pol.choose(r, 1, 8, "ngram", 3) == 3
+    assert pol.choose(r, 1, 8, "draft", 8) == 0
+    assert pol.choose(r, 1, 8, "ngram", 0) == 0  # nothing to draft: plain round
+
+
+def test_peek_lists_who_could_draft_and_composite_routes(smollm2):
+    """peek: which parts could draft and how many tokens each has, from committed tokens only,
+    without drafting; a composite told `only` drafts from the part named, not the first."""
+    model, tok = smollm2
+    ng = NgramProposer(1, 3)
+    comp = CompositeProposer([NgramProposer(1, 3), DraftModelProposer(model, tok.vocab_size, 256)])
+    eng = Engine(model, tok, comp, num_draft_tokens="auto", max_seq_len=256)
+    eng.reserve(2)
+    R = eng.add_request([5, 6, 7, 8, 5, 6], SamplingParams(temperature=1.0, max_tokens=8))
+    ng.begin(R)  # suffix [5, 6] occurred before, followed by 7, 8, 5, 6
+    assert ng.peek(R, 3) == [("ngram", 3, "ngram@2")] and ng.peek(R, 8) == [("ngram", 4, "ngram@2")]
+    assert comp.peek(R, 3) == [("ngram", 3, "ngram@2"), ("draft", 3)]
+    assert ng.propose([R], [8]).tokens[0].tolist() == [7, 8, 5, 6]  # what peek counted
+    assert comp.propose([R], [3]).source == ["ngram"]
+    comp.accept(R, 0)
+    routed = comp.propose([R], [3], only=["draft"])
+    assert routed.source == ["draft"] and routed.q is not None and int(routed.num_draft[0]) == 3
+    R2 = eng.add_request([1, 2, 3, 4], SamplingParams(temperature=1.0, max_tokens=8))
+    ng.begin(R2)  # no earlier occurrence of any suffix
+    assert ng.peek(R2, 4) == [] and comp.peek(R2, 4) == [("draft", 4)]
+
+
+def test_choose_among_picks_the_better_proposer():
+    """A free n-gram match that is always rejected loses to a costly draft model that is always
+    accepted, and the other way round; nothing to draft is a plain round."""
+    pol = _measured_policy(draft_per_token=0.1)
+    good_draft, good_ngram = _Req(1), _Req(2)
+    for r, good, bad in ((good_draft, "draft", "ngram"), (good_ngram, "ngram", "draft")):
+        pol.begin(r)
+        for _ in range(10):
+            pol.observe_round(r, 4, 4, good)
+            pol.observe_round(r, 4, 0, bad)
+    k, src, _ = pol.choose_among(good_draft, 1, 8, [("ngram", 8), ("draft", 8)])
+    assert src == "draft" and k >= 4
+    assert pol.choose_among(good_ngram, 1, 8, [("ngram", 5), ("draft", 8)]) == (5, "ngram", "ngram")
+    assert pol.choose_among(good_ngram, 1, 8, []) == (0, None, None)
+    # acceptance kept per key: long n-gram matches good, 1-token matches bad
+    r = _Req(3)
+    pol.begin(r)
+    for _ in range(10):
+        pol.observe_round(r, 4, 4, "ngram", "ngram@3")
+        pol.observe_round(r, 4, 0, "ngram", "ngram@1")
+    assert pol.choose_among(r, 1, 8, [("ngram", 6, "ngram@3")])[0] == 6
+    assert pol.choose_among(r, 1, 8, [("ngram", 6, "ngram@1")])[0] == 0
 
 
 def test_k_policy():

@@ -38,3 +38,17 @@ class Proposer(Protocol):
     def accept(self, req: "Request", n_accepted: int) -> None: ...
 
     def release(self, req: "Request") -> None: ...
+
+    # Optional: `peek(req, k) -> [(name, n[, key]), ...]`: the proposers that could draft for
+    # this request now and how many tokens (<= k, > 0) each has, without drafting, from
+    # committed tokens only, in the proposer's own order of preference; `key` (default: name)
+    # names the acceptance record the round belongs to. Adaptive k prices each and picks one
+    # (a composite then drafts from the one picked: `propose(..., only=names)`).
+
+
+def peek(proposer, req: "Request", k: int) -> list[tuple]:
+    """[(proposer name, tokens it could draft, <= k[, key])]; one without `peek` can always
+    draft k."""
+    if hasattr(proposer, "peek"):
+        return proposer.peek(req, k)
+    return [(proposer.name, k)] if k > 0 else []

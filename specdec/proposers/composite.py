@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.proposers.base import Proposal
+from specdec.proposers.base import Proposal, peek
 
 
 class CompositeProposer:
@@ -34,16 +34,25 @@ class CompositeProposer:
             if hasattr(p, "reserve"):
                 p.reserve(n_rows)
 
-    def propose(self, reqs, ks: list[int]) -> Proposal:
+    def peek(self, req, k: int) -> list[tuple]:
+        """Every part that has tokens, in order (the first is what `propose` would use)."""
+        return [c for p in self.proposers for c in peek(p, req, k)]
+
+    def propose(self, reqs, ks: list[int], only: list[str | None] | None = None) -> Proposal:
+        """only: per row, the name of the one part to ask (None: each in order, first that
+        drafts wins)."""
         B = len(reqs)
         chosen: list[tuple] = [None] * B  # (tokens list, q rows or None)
         pending = [b for b in range(B) if ks[b] > 0]
         for p in self.proposers:
             if not pending:
                 break
-            prop = p.propose([reqs[b] for b in pending], [ks[b] for b in pending])
-            still = []
-            for j, b in enumerate(pending):
+            asked = [b for b in pending if only is None or only[b] in (None, p.name)]
+            if not asked:
+                continue
+            prop = p.propose([reqs[b] for b in asked], [ks[b] for b in asked])
+            still = [b for b in pending if b not in asked]
+            for j, b in enumerate(asked):
                 n = int(prop.num_draft[j])
                 if n > 0:
                     chosen[b] = (prop.tokens[j, :n], None if prop.q is None else prop.q[j, :n])

@@ -39,16 +39,21 @@ class NgramIndex:
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         """Up to k tokens that followed the longest earlier match of the suffix of `tokens`."""
+        return self.match(tokens, k)[0]
+
+    def match(self, tokens: list[int], k: int) -> tuple[list[int], int]:
+        """(lookup's tokens, length of the suffix matched; 0: none)."""
         L = len(tokens)
         for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
             j = self.last.get(tuple(tokens[L - n:]))
             if j is not None:
-                return tokens[j:min(j + k, L)]
-        return []
+                return tokens[j:min(j + k, L)], n
+        return [], 0
 
 
 class NgramProposer:
     name = "ngram"
+    runs_a_model = False  # drafting is a few dictionary lookups (adaptive k's cost prior)
 
     def __init__(self, n_min: int = 1, n_max: int = 4):
         check_ngram_range(n_min, n_max)
@@ -63,6 +68,14 @@ class NgramProposer:
 
     def accept(self, req, n_accepted: int) -> None:
         pass  # the index only ever holds committed tokens: nothing to roll back
+
+    def peek(self, req, k: int) -> list[tuple]:
+        """[(name, tokens, acceptance key)]: a match of a longer suffix is likelier to go on
+        being copied, so adaptive k keeps acceptance per matched length ("ngram@3")."""
+        idx = self.index[req.id]
+        idx.extend(req.tokens)
+        found, n = idx.match(req.tokens, k) if k > 0 else ([], 0)
+        return [(self.name, len(found), f"{self.name}@{n}")] if found else []
 
     def propose(self, reqs, ks: list[int]) -> Proposal:
         found = []
