@@ -9,13 +9,17 @@ Adaptive k (`num_draft_tokens="auto"`) picks, each round and for each request, t
 
 alpha_i is the request's running estimate of P(draft i accepted | drafts 1..i-1 accepted): a
 Beta-smoothed ratio of decayed counts (accepted at i / reached i), started from the engine-wide
-pool so a new request inherits what earlier requests taught.  Estimates and draft costs are kept
-per proposer: before choosing, the engine asks the proposer which of its parts would draft this
-round and how many tokens it has (`Proposer.peek`: a composite's n-gram lookup has a match of 3
-tokens, or it has none and the draft model would run), so a free n-gram match with near-certain
-acceptance and a costly draft-model round with an uncertain one are priced as what they are. Counts decay every round, also in
-rounds that drafted nothing, so a request that dropped to k = 0 drifts back toward the prior and
-probes again: the estimate cannot lock itself out.
+pool so a new request inherits what earlier requests taught; each position's estimate is shrunk
+toward the request's rate over all positions, so a few rounds suffice near alpha = 1.
+
+Estimates and draft costs are kept per proposer: before choosing, the engine asks the proposer
+which of its parts could draft this round and how many tokens each has (`Proposer.peek`: a
+composite's n-gram lookup has a 5-token continuation of a 3-token match, and its draft model
+could draft k). Each candidate is priced with its own acceptance record (the n-gram's per
+matched suffix length, "ngram@3": long matches go on being copied far more often than 1-token
+ones) and its own draft cost, and the best (proposer, k) wins; a composite then drafts from
+that part. A free n-gram match and a costly, uncertain draft-model round are priced as what
+they are, and a usually-wrong 1-token match no longer keeps the draft model from running.
 
 The costs are measured, not assumed: `CostCurve` keeps an exponential moving average of the
 observed seconds per round for each forward width (target: per batch size B and T = k + 1;
@@ -23,7 +27,8 @@ draft: per k and per proposer, so a composite's free n-gram rounds and costly dr
 are kept apart) and interpolates between measured widths. On this CPU t_target(T) is far from flat
 for some backends, so it matters that the curve is the machine's own.
 
-Losslessness: k is chosen from the past only (committed tokens, earlier acceptances, clocks),
+Losslessness: k (and which proposer drafts) is chosen from the past only (committed tokens,
+earlier acceptances, clocks),
 never from the current round's draws, so every round is an ordinary speculative round with some
 k and the output distribution is the target's whatever k is (tests/test_statistical.py checks
 it through the engine with adaptive k and its negative control).

@@ -208,8 +208,9 @@ class Engine:
             num_draft = torch.zeros(B, dtype=torch.long, device=dev)
             q = None
         t_draft = time.perf_counter() - t0
-        if proposed and all(r.stats.target_forwards for r in reqs) and len(set(sources)) == 1:
-            # (first rounds hold the draft's prompt prefill; mixed sources cannot be told apart)
+        if proposed and prop.catch_up <= 2 and len(set(sources)) == 1:
+            # (a draft model's prompt prefill or long catch-up is not the cost of drafting k;
+            # mixed sources cannot be told apart)
             self.policy.observe_draft(max(ks), t_draft, sources[0])
         k = drafts.shape[1]
         L = torch.tensor([len(r.tokens) for r in reqs], device=dev)

@@ -18,6 +18,8 @@ class Proposal:
     q: torch.Tensor | None  # [B, k, V] draft distributions, or None: one-hot on the tokens
     source: list[str] | None = None  # [B] name of the proposer that drafted each row (metrics);
     # None: the proposer's own name for every row
+    catch_up: int = 0  # most committed tokens any row fed before drafting (a draft model's
+    # prompt prefill, or its catch-up after n-gram rounds): such a round's time is no draft cost
 
 
 class Proposer(Protocol):

@@ -44,6 +44,7 @@ class CompositeProposer:
         B = len(reqs)
         chosen: list[tuple] = [None] * B  # (tokens list, q rows or None)
         pending = [b for b in range(B) if ks[b] > 0]
+        catch_up = 0
         for p in self.proposers:
             if not pending:
                 break
@@ -51,6 +52,7 @@ class CompositeProposer:
             if not asked:
                 continue
             prop = p.propose([reqs[b] for b in asked], [ks[b] for b in asked])
+            catch_up = max(catch_up, prop.catch_up)
             still = [b for b in pending if b not in asked]
             for j, b in enumerate(asked):
                 n = int(prop.num_draft[j])
@@ -77,7 +79,7 @@ class CompositeProposer:
             if q is not None:  # token-only rows get their one-hot q written out
                 q[b, :n] = c[1] if c[1] is not None else torch.nn.functional.one_hot(c[0], q.shape[-1]).float()
         source = [self._used[r.id].name if r.id in self._used else self.name for r in reqs]
-        return Proposal(tokens=tokens, num_draft=num, q=q, source=source)
+        return Proposal(tokens=tokens, num_draft=num, q=q, source=source, catch_up=catch_up)
 
     def accept(self, req, n_accepted: int) -> None:
         p = self._used.get(req.id)

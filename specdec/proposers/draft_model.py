@@ -96,7 +96,7 @@ class DraftModelProposer:
         for b, r in enumerate(reqs):  # KV now covers committed + d_1..d_{k-1} (where fed)
             self.cache.set_length(r.row, L[b] + max(min(ks[b], k) - 1, 0) if k else L[b])
         num_draft = torch.tensor(ks, dtype=torch.long, device=dev)
-        return Proposal(tokens=drafts, num_draft=num_draft, q=q_all)
+        return Proposal(tokens=drafts, num_draft=num_draft, q=q_all, catch_up=T)
 
     def _needs_q(self, reqs) -> bool:
         return self.draft_sampling == "probabilistic" and any(not r.params.greedy for r in reqs)
