@@ -28,9 +28,8 @@ are kept apart) and interpolates between measured widths. On this CPU t_target(T
 for some backends, so it matters that the curve is the machine's own.
 
 Losslessness: k (and which proposer drafts) is chosen from the past only (committed tokens,
-earlier acceptances, clocks),
-never from the current round's draws, so every round is an ordinary speculative round with some
-k and the output distribution is the target's whatever k is (tests/test_statistical.py checks
+earlier acceptances, clocks), never from the current round's draws, so every round is an
+ordinary speculative round with some k and the output distribution is the target's whatever k is (tests/test_statistical.py checks
 it through the engine with adaptive k and its negative control).
 """
 
@@ -128,6 +127,9 @@ class _Acceptance:
         return out
 
 
+_NOTHING_SEEN = _Acceptance()  # read-only stand-in for a record with no rounds yet
+
+
 class FixedK:
     """The same k every round (the budget near max_tokens / the context limit still cuts it)."""
 
@@ -135,8 +137,7 @@ class FixedK:
         self.k = k
         self.k_max = k
 
-    def choose(self, req, batch_size: int, limit: int, source: str | None = None,
-               available: int | None = None) -> int:
+    def choose(self, req, batch_size: int, limit: int) -> int:
         return min(self.k, limit)  # a fixed k is asked for even where the proposer has fewer
 
     def begin(self, req) -> None:
@@ -190,8 +191,8 @@ class AdaptiveK:
         in the product (8 positions at 0.9 instead of 0.97: 0.43 instead of 0.78)."""
         # a proposer not seen yet starts from PRIOR_ALPHA, not from the others' record (a
         # composite's useless 1-token n-gram matches must not condemn its draft model unseen)
-        pool = self.pool.get(source) or (self.pool.get(None) if source is None else None) or _Acceptance()
-        own = self.state[req.id].get(source) or _Acceptance()
+        pool = self.pool.get(source) or _NOTHING_SEEN
+        own = self.state[req.id].get(source) or _NOTHING_SEEN
         rate = own.rate(pool.rate(PRIOR_ALPHA))
         return own.alphas(k, [rate] * k)
 
@@ -205,12 +206,13 @@ class AdaptiveK:
         if t1 is None:  # nothing measured for this batch size: borrow the closest one's
             others = [c.estimate(1) for c in self.target.values()]
             t1 = min(others) if others else 1.0
+        mix = {source: 1.0} if source else shares  # whose draft cost: the named proposer's, or a mix
         costs = []
         for k in range(kmax + 1):
             tt = curve.estimate(k + 1) if curve else None
             if tt is None:
                 tt = t1 * (1 + VERIFY_PRIOR_SLOPE * k)
-            costs.append(tt + self._draft_cost({source: 1.0} if source else shares, k, t1))
+            costs.append(tt + self._draft_cost(mix, k, t1))
         return costs
 
     def _draft_cost(self, shares: dict[str, float] | None, k: int, t1: float) -> float:
@@ -233,10 +235,8 @@ class AdaptiveK:
                available: int | None = None) -> int:
         """k for this round.  source / available: the proposer that would draft and how many
         tokens it has (None: unknown; costs are then mixed by the request's recent proposers)."""
-        kmax = min(self.k_max, limit, self.k_max if available is None else available)
-        k = self._best(req, batch_size, kmax, source)[0] if kmax > 0 else 0
-        self.chosen[k] += 1
-        return k
+        n = self.k_max if available is None else available
+        return self.choose_among(req, batch_size, limit, [(source, n)])[0]
 
     def choose_among(self, req, batch_size: int, limit: int,
                      candidates: list[tuple]) -> tuple[int, str | None, str | None]:
@@ -279,12 +279,12 @@ class AdaptiveK:
         for src in shares:
             shares[src] *= DECAY
         if num_draft:
-            keys = [None] if source is None else [None, key or source]
+            records = [None] if source is None else [None, key or source]
             if source is not None:
                 shares[source] = shares.get(source, 0.0) + 1.0
-            for key in keys:
-                st.setdefault(key, _Acceptance()).observe(num_draft, n_accepted)
-                self.pool.setdefault(key, _Acceptance()).observe(num_draft, n_accepted)
+            for rec in records:
+                st.setdefault(rec, _Acceptance()).observe(num_draft, n_accepted)
+                self.pool.setdefault(rec, _Acceptance()).observe(num_draft, n_accepted)
 
     def observe_target(self, batch_size: int, width: int, seconds: float) -> None:
         """Once per round (so also where the pool forgets: per round, not per request)."""
