@@ -121,27 +121,25 @@ inline __m256i shift16(__m256i v, int sh) {
   return sh >= 0 ? _mm256_slli_epi16(v, sh) : _mm256_srli_epi16(v, -sh);
 }
 
-// Weight codes of k-step s (of the record) for outputs 0-7 (w0) and 8-15 (w1).
-template <int F>
-inline void decode(const uint8_t* lo, const uint8_t* hi, int s, __m256i& w0, __m256i& w1) {
+// Weight codes of k-step s (of the record) for outputs 8H .. 8H+7 (H = 0, 1).
+template <int F, int H>
+inline __m256i decode_half(const uint8_t* lo, const uint8_t* hi, int s) {
   constexpr int bits = Traits<F>::bits;
   if constexpr (bits == 8) {
-    w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + s * 64));
-    w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + s * 64 + 32));
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + s * 64 + 32 * H));
   } else {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + s * 32));
-    w0 = _mm256_and_si256(v, m4);
-    w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    __m256i w = _mm256_and_si256(H == 0 ? v : _mm256_srli_epi16(v, 4), m4);
     if constexpr (bits == 5 || bits == 6) {
       constexpr int g = bits == 5 ? 4 : 2;  // k-steps per high-plane vector
       constexpr int b = bits - 4;           // high bits per weight
       const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + (s / g) * 32));
       const __m256i mask = _mm256_set1_epi8(static_cast<char>(((1 << b) - 1) << 4));
-      const int f0 = 2 * (s % g);  // field of w0; w1's is f0 + 1
-      w0 = _mm256_or_si256(w0, _mm256_and_si256(shift16(h, 4 - f0 * b), mask));
-      w1 = _mm256_or_si256(w1, _mm256_and_si256(shift16(h, 4 - (f0 + 1) * b), mask));
+      const int f = 2 * (s % g) + H;  // this half's field
+      w = _mm256_or_si256(w, _mm256_and_si256(shift16(h, 4 - f * b), mask));
     }
+    return w;
   }
 }
 
@@ -155,30 +153,6 @@ struct Act {
   int64_t K;
 };
 
-// The fp32 steps of one sub-block for R rows, from the integer sums c[r] (16 lanes each,
-// written by either ISA as two 8-lane halves): the same operations per lane on both ISAs.
-template <int F, int R>
-inline void epilogue(const int32_t (*c)[NR], const Act& a, int64_t m0, int64_t kb,
-                     const float* ws, const float* wm, float* acc) {
-  constexpr int sb = Traits<F>::sb;
-  const int64_t n32 = a.K / 32, n16 = a.K / 16;
-  for (int h = 0; h < 2; ++h) {
-    const __m256 wsv = _mm256_loadu_ps(ws + 8 * h), wmv = _mm256_loadu_ps(wm + 8 * h);
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const int64_t m = m0 + r;
-      float* o = acc + m * NR + 8 * h;
-      const __m256 dx = _mm256_set1_ps(a.dx[m * n32 + kb / 32]);
-      const __m256i ci = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c[r] + 8 * h));
-      __m256 v = _mm256_fmadd_ps(wsv, _mm256_mul_ps(_mm256_cvtepi32_ps(ci), dx), _mm256_loadu_ps(o));
-      if constexpr (Traits<F>::has_m)
-        v = _mm256_fmadd_ps(wmv, _mm256_set1_ps(sb == 32 ? a.dxs32[m * n32 + kb / 32]
-                                                         : a.dxs16[m * n16 + kb / 16]), v);
-      _mm256_storeu_ps(o, v);
-    }
-  }
-}
-
 // k-steps whose maddubs results can be summed in int16 before widening, exactly: one
 // k-step adds at most 2 * qmax * 127 to a lane (qmax = 15, 31, 63 for 4-, 5-, 6-bit codes,
 // |xq| <= 127), so 8 (4-bit: 30480), 4 (5-bit: 31496) or 2 (6-bit: 32004) of them stay
@@ -191,79 +165,93 @@ constexpr int i16_steps() {
   return g < ns ? g : ns;
 }
 
-// R rows x one sub-block j of a record: integer dot products, then the fp32 steps.
+// One record, R <= 5 rows.  The 16 outputs are two halves of 8 (one ymm each), run
+// together (each decoded weight and each broadcast x serve both halves) or, for Q6_K, one
+// after the other: its 16-k sub-blocks and 2-k-step int16 runs keep int16, int32 and fp32
+// sums live at once, which for both halves and R = 5 spills; one half fits the 16 ymm
+// registers.  (Measured on Zen 3, M = 5: split is ~10% faster for Q6_K, ~10% slower for
+// Q4_K and Q5_0.)
+// The per-lane fp32 steps per sub-block are, in order: t = float(I) * dx;
+// acc = fma(ws, t, acc); acc = fma(wm, dxS, acc) -- the AVX-512 path's, so the same bits.
 template <int F, int R>
-inline void sub_block(const uint8_t* lo, const uint8_t* hi, int j, const Act& a, int64_t m0,
-                      int64_t kb, const float* ws, const float* wm, float* acc) {
-  constexpr int sb = Traits<F>::sb, ns = sb / 4, G = i16_steps<F>();
-  static_assert(ns % G == 0, "k-steps per sub-block must be a multiple of the int16 run");
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256i c[R][2];
+struct Avx2Rows {
+  static constexpr int G = i16_steps<F>(), NS = Traits<F>::sb / 4;
+  static void run(const uint8_t* lo, const uint8_t* hi, const Act& a, int64_t m0, int64_t k0,
+                  const float* ws, const float* wm, float* acc) {
+    if constexpr (F != Q6_K) {
+      halves<0, 2>(lo, hi, a, m0, k0, ws, wm, acc);
+    } else {
+      halves<0, 1>(lo, hi, a, m0, k0, ws, wm, acc);
+      halves<1, 1>(lo, hi, a, m0, k0, ws, wm, acc);
+    }
+  }
+
+  template <int H0, int NH>
+  static inline void halves(const uint8_t* lo, const uint8_t* hi, const Act& a, int64_t m0,
+                            int64_t k0, const float* ws, const float* wm, float* acc) {
+    constexpr int sb = Traits<F>::sb, ns = NS, nsub = Traits<F>::rk / sb;
+    static_assert(ns % G == 0, "k-steps per sub-block must be a multiple of the int16 run");
+    const int64_t n32 = a.K / 32, n16 = a.K / 16, K = a.K;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 f[R][NH];
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) c[r][0] = c[r][1] = _mm256_setzero_si256();
-  const int8_t* x = a.xq + m0 * a.K + kb;  // kb: this sub-block's first k
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < NH; ++h) f[r][h] = _mm256_loadu_ps(acc + (m0 + r) * NR + 8 * (H0 + h));
+    for (int j = 0; j < nsub; ++j) {
+      const int64_t kb = k0 + j * sb;          // this sub-block's first k
+      const int8_t* x = a.xq + m0 * K + kb;
+      __m256i c[R][NH];
 #pragma GCC unroll 8
-  for (int t0 = 0; t0 < ns; t0 += G) {
-    __m256i s[R][2];  // int16 partial sums over G k-steps (exact, see i16_steps)
+      for (int t0 = 0; t0 < ns; t0 += G) {
+        __m256i s[R][NH];  // int16 partial sums over G k-steps (exact, see i16_steps)
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
+        for (int t = t0; t < t0 + G; ++t) {
+          __m256i w[NH], u[NH];
+          for (int h = 0; h < NH; ++h) {
+            w[h] = H0 + h == 0 ? decode_half<F, 0>(lo, hi, j * ns + t) : decode_half<F, 1>(lo, hi, j * ns + t);
+            // maddubs wants unsigned x signed; Q8_0's signed codes go as |w| x sign(x, w)
+            u[h] = F == Q8_0 ? _mm256_abs_epi8(w[h]) : w[h];
+          }
 #pragma GCC unroll 8
-    for (int t = t0; t < t0 + G; ++t) {
-      __m256i w0, w1;
-      decode<F>(lo, hi, j * ns + t, w0, w1);
-      __m256i u0 = w0, u1 = w1;
-      if constexpr (F == Q8_0) {  // maddubs wants unsigned x signed: |w| x sign(x, w)
-        u0 = _mm256_abs_epi8(w0);
-        u1 = _mm256_abs_epi8(w1);
+          for (int r = 0; r < R; ++r) {
+            int32_t x4;
+            std::memcpy(&x4, x + r * K + 4 * t, 4);
+            const __m256i xb = _mm256_set1_epi32(x4);
+            for (int h = 0; h < NH; ++h) {
+              // codes <= 63, |xq| <= 127: pair sums <= 16002, no saturation
+              const __m256i p = _mm256_maddubs_epi16(u[h], F == Q8_0 ? _mm256_sign_epi8(xb, w[h]) : xb);
+              s[r][h] = t == t0 ? p : _mm256_add_epi16(s[r][h], p);
+              // Keep the sums a chain in k-step order: without this barrier GCC
+              // re-associates the unrolled adds into a tree, computes every k-step's
+              // products first and spills them (~4x slower at R = 5).  Same sums.
+              asm("" : "+x"(s[r][h]));
+            }
+          }
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+          for (int h = 0; h < NH; ++h) {
+            const __m256i w32 = _mm256_madd_epi16(s[r][h], ones);
+            c[r][h] = t0 == 0 ? w32 : _mm256_add_epi32(c[r][h], w32);
+          }
       }
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        int32_t x4;
-        std::memcpy(&x4, x + r * a.K + 4 * t, 4);
-        const __m256i xb = _mm256_set1_epi32(x4);
-        __m256i p0, p1;
-        if constexpr (F == Q8_0) {
-          p0 = _mm256_maddubs_epi16(u0, _mm256_sign_epi8(xb, w0));
-          p1 = _mm256_maddubs_epi16(u1, _mm256_sign_epi8(xb, w1));
-        } else {  // codes <= 63, |xq| <= 127: pair sums <= 16002, no saturation
-          p0 = _mm256_maddubs_epi16(u0, xb);
-          p1 = _mm256_maddubs_epi16(u1, xb);
-        }
-        if constexpr (G == 1) {
-          s[r][0] = p0;
-          s[r][1] = p1;
-        } else {
-          s[r][0] = _mm256_add_epi16(s[r][0], p0);
-          s[r][1] = _mm256_add_epi16(s[r][1], p1);
-          // Keep the sums a chain in k-step order: without this barrier GCC re-associates
-          // the unrolled integer adds into a tree, computes every k-step's products first
-          // and spills them (R = 5: ~80 ymm to the stack, ~4x slower).  Same sums, exactly.
-          asm("" : "+x"(s[r][0]), "+x"(s[r][1]));
+        const int64_t m = m0 + r;
+        const __m256 dx = _mm256_set1_ps(a.dx[m * n32 + kb / 32]);
+        for (int h = 0; h < NH; ++h) {
+          const int o = j * NR + 8 * (H0 + h);
+          f[r][h] = _mm256_fmadd_ps(_mm256_loadu_ps(ws + o), _mm256_mul_ps(_mm256_cvtepi32_ps(c[r][h]), dx), f[r][h]);
+          if constexpr (Traits<F>::has_m)
+            f[r][h] = _mm256_fmadd_ps(_mm256_loadu_ps(wm + o),
+                                      _mm256_set1_ps(sb == 32 ? a.dxs32[m * n32 + kb / 32]
+                                                              : a.dxs16[m * n16 + kb / 16]), f[r][h]);
         }
       }
     }
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      c[r][0] = _mm256_add_epi32(c[r][0], _mm256_madd_epi16(s[r][0], ones));
-      c[r][1] = _mm256_add_epi32(c[r][1], _mm256_madd_epi16(s[r][1], ones));
-    }
-  }
-  alignas(32) int32_t ci[R][NR];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    _mm256_store_si256(reinterpret_cast<__m256i*>(ci[r]), c[r][0]);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(ci[r] + 8), c[r][1]);
-  }
-  epilogue<F, R>(ci, a, m0, kb, ws, wm, acc);
-}
-
-template <int F, int R>
-struct Avx2Rows {  // one record, R <= 5 rows
-  static void run(const uint8_t* lo, const uint8_t* hi, const Act& a, int64_t m0, int64_t k0,
-                  const float* ws, const float* wm, float* acc) {
-    constexpr int nsub = Traits<F>::rk / Traits<F>::sb;
-    for (int j = 0; j < nsub; ++j)
-      sub_block<F, R>(lo, hi, j, a, m0, k0 + j * Traits<F>::sb, ws + j * NR, wm + j * NR, acc);
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < NH; ++h) _mm256_storeu_ps(acc + (m0 + r) * NR + 8 * (H0 + h), f[r][h]);
   }
 };
 
@@ -324,7 +312,7 @@ struct Rows {  // one record, R <= 8 rows
           c[r] = _mm512_dpbusd_epi32(c[r], w, _mm512_set1_epi32(x4));
         }
       }
-      // The epilogue's operations per lane, in the AVX2 path's order (see epilogue()).
+      // The fp32 operations per lane, in the AVX2 path's order (see Avx2Rows).
       const __m512 wsv = _mm512_loadu_ps(ws + j * NR), wmv = _mm512_loadu_ps(wm + j * NR);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
