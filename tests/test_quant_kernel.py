@@ -246,6 +246,29 @@ def test_quantise_activations_matches_kernel_rounding():
         assert torch.equal(K.linear(x, qw), xh)
 
 
+@pytest.mark.skipif(not have_kernel(), reason="no C++ kernel on this CPU")
+def test_kernel_activation_quantiser_matches_torch_random():
+    """The kernel's vectorised quantiser (max, round-to-even, int8 packing, sums) against the
+    torch definition, on identity-like Q8_0 rows: random blocks of every magnitude, exact
+    halves, all-zero blocks, M = 1..7.  A lane-order or rounding slip changes y."""
+    k = 256
+    raw = np.zeros((k, k // 32, 34), np.uint8)
+    raw[..., :2] = np.array([1.0], np.float16).view(np.uint8)
+    for i in range(k):
+        raw[i, i // 32, 2 + i % 32] = 1
+    qw = Q.prepare_quant([Q.QuantTensor("Q8_0", raw.reshape(k, -1), (k, k))])
+    g = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        m = 1 + trial % 7
+        scale = torch.rand(m, k // 32, 1, generator=g).expand(m, k // 32, 32).reshape(m, k)
+        x = torch.randn(m, k, generator=g) * scale * 10.0 ** (trial % 5 - 2)
+        if trial % 3 == 0:
+            x = (x * 4).round() / 4  # many x * 127 / amax on exact halves
+        if trial % 4 == 0:
+            x[:, 32:64] = 0
+        assert torch.equal(K.linear(x, qw), Q.quantise_activations(x)), trial
+
+
 def test_bad_inputs():
     with pytest.raises(ValueError, match="quant type"):
         Q.prepare_quant([Q.QuantTensor("Q2_K", np.zeros((1, 84), np.uint8), (1, 256))])

@@ -414,20 +414,37 @@ int64_t record_bytes(int64_t fmt) {
 int64_t record_k(int64_t fmt) { return fmt == Q4_K || fmt == Q6_K ? 256 : 32; }
 
 // x [M, K] fp32 -> int8 blocks of 32: d = amax / 127, xq = round_half_even(x * (127 / amax)).
-// quant.py's torch fallback does the same fp32 operations (same bits).
+// quant.py's torch fallback does the same fp32 operations (same bits): max is exact in any
+// order, and cvtps_epi32 rounds in the current mode (nearest-even), as nearbyint does.
 void quantise_rows(const float* x, int64_t M, int64_t K, int8_t* xq, int32_t* s32, float* dx,
                    float* dxs32, float* dxs16) {
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo packs' lane interleave
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < K / 32; ++b) {
       const float* v = x + m * K + b * 32;
-      float amax = 0.f;
-      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
+      __m256 f[4];
+      for (int i = 0; i < 4; ++i) f[i] = _mm256_loadu_ps(v + 8 * i);
+      __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(f[0], absmask), _mm256_and_ps(f[1], absmask)),
+                                _mm256_max_ps(_mm256_and_ps(f[2], absmask), _mm256_and_ps(f[3], absmask)));
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+      const float amax = _mm_cvtss_f32(m4);
       const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
-      int s[2] = {0, 0};
-      for (int i = 0; i < 32; ++i) {
-        const int q = static_cast<int>(std::nearbyint(v[i] * id));
-        xq[m * K + b * 32 + i] = static_cast<int8_t>(q);
-        s[i / 16] += q;
+      const __m256 idv = _mm256_set1_ps(id);
+      __m256i q[4];
+      for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(f[i], idv));
+      const __m256i bytes = _mm256_permutevar8x32_epi32(
+          _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + m * K + b * 32), bytes);
+      int s[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m256i t = _mm256_add_epi32(q[2 * h], q[2 * h + 1]);
+        __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+        u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0x4E));
+        u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0xB1));
+        s[h] = _mm_cvtsi128_si32(u);
       }
       dx[m * (K / 32) + b] = d;
       s32[m * (K / 32) + b] = s[0] + s[1];
