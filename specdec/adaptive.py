@@ -10,7 +10,9 @@ Adaptive k (`num_draft_tokens="auto"`) picks, each round and for each request, t
 alpha_i is the request's running estimate of P(draft i accepted | drafts 1..i-1 accepted): a
 Beta-smoothed ratio of decayed counts (accepted at i / reached i), started from the engine-wide
 pool so a new request inherits what earlier requests taught; each position's estimate is shrunk
-toward the request's rate over all positions, so a few rounds suffice near alpha = 1.
+toward the request's rate (the first position toward the rate over all positions, the others
+toward the continuation rate over positions 2.., since a missed first draft says little about
+how a started copy continues), so a few rounds suffice near alpha = 1.
 
 Estimates and draft costs are kept per proposer: before choosing, the engine asks the proposer
 which of its parts could draft this round and how many tokens each has (`Proposer.peek`: a
@@ -114,9 +116,10 @@ class _Acceptance:
             self.reached[i] += 1
             self.accepted[i] += float(i < n_accepted)
 
-    def rate(self, prior: float) -> float:
-        """Acceptance over all positions together, Beta-smoothed toward `prior`."""
-        return (sum(self.accepted) + PRIOR_STRENGTH * prior) / (sum(self.reached) + PRIOR_STRENGTH)
+    def rate(self, prior: float, start: int = 0) -> float:
+        """Acceptance over positions start.. together, Beta-smoothed toward `prior`."""
+        return ((sum(self.accepted[start:]) + PRIOR_STRENGTH * prior)
+                / (sum(self.reached[start:]) + PRIOR_STRENGTH))
 
     def alphas(self, k: int, prior: list[float]) -> list[float]:
         out = []
@@ -193,8 +196,13 @@ class AdaptiveK:
         # composite's useless 1-token n-gram matches must not condemn its draft model unseen)
         pool = self.pool.get(source) or _NOTHING_SEEN
         own = self.state[req.id].get(source) or _NOTHING_SEEN
-        rate = own.rate(pool.rate(PRIOR_ALPHA))
-        return own.alphas(k, [rate] * k)
+        pool_all = pool.rate(PRIOR_ALPHA)
+        # The first draft is the gamble; once it is accepted the next ones are a continuation
+        # (an n-gram copy that has started goes on far more often than it starts), so
+        # positions 2.. are shrunk toward their own rate, not toward one dragged down by
+        # first-position misses: (8 drafted, 0 accepted) says little about position 5.
+        tail = own.rate(pool.rate(PRIOR_ALPHA, start=1), start=1)
+        return own.alphas(k, [own.rate(pool_all)] + [tail] * (k - 1))
 
     def _round_costs(self, batch_size: int, kmax: int, shares: dict[str, float] | None,
                      source: str | None = None) -> list[float]:

@@ -198,6 +198,30 @@ def test_choose_among_picks_the_better_proposer():
     assert pol.choose_among(r, 1, 8, [("ngram", 6, "ngram@1")])[0] == 0
 
 
+def test_first_draft_miss_does_not_condemn_the_continuation():
+    """An n-gram copy either starts or not: once its first token is accepted, the rest follow.
+    A request whose only round so far missed at position 1 keeps the continuation rate the
+    engine has seen (positions 2..), so it still drafts long once it drafts at all; its first
+    position alone pays for the miss.  (With every position shrunk toward the request's
+    overall rate, the one miss pulled positions 2..8 down to it.)"""
+    pol = AdaptiveK(8, cost=_flat_cost(0.0))
+    for i in range(4):  # earlier requests: long copies that were accepted whole
+        r = _Req(10 + i)
+        pol.begin(r)
+        for _ in range(2):
+            pol.observe_round(r, 8, 8, "ngram", "ngram@4")
+        pol.release(r)
+    r = _Req(1)
+    pol.begin(r)
+    pol.observe_round(r, 8, 0, "ngram", "ngram@4")
+    a = pol._alphas(r, "ngram@4", 8)
+    assert a[0] < 0.75 and min(a[1:]) > 0.9, a
+    # priced by verify cost growing 5% per token, that makes k = 8 the choice, not a short k
+    slope = AdaptiveK(8, cost=lambda b, k: 1.0 + 0.05 * k)
+    slope.pool, slope.state = pol.pool, pol.state
+    assert slope.choose_among(r, 1, 8, [("ngram", 8, "ngram@4")])[0] == 8
+
+
 def test_k_policy():
     assert isinstance(k_policy(3, 8), FixedK) and k_policy(3, 8).choose(None, 1, 2) == 2
     assert isinstance(k_policy("auto", 8), AdaptiveK)
