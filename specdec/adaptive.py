@@ -23,6 +23,14 @@ ones) and its own draft cost, and the best (proposer, k) wins; a composite then 
 that part. A free n-gram match and a costly, uncertain draft-model round are priced as what
 they are, and a usually-wrong 1-token match no longer keeps the draft model from running.
 
+A draft model that has not run for a while must first feed every token committed since (on
+its first round: the whole prompt) -- a prefill that can cost more than the round itself. A
+candidate's catch-up (`peek`'s fourth field) is priced at the proposer's measured seconds per
+caught-up token, spread over the request's remaining tokens (the prefill is paid once, and
+then serves every later round): rate = 1 / (round cost / E[tokens] + catch-up / remaining).
+So a composite on a long copy-heavy prompt does not pay a 300-token draft prefill to draft
+one token, and on a short open-ended prompt it still starts its draft model.
+
 The costs are measured, not assumed: `CostCurve` keeps an exponential moving average of the
 observed seconds per round for each forward width (target: per batch size B and T = k + 1;
 draft: per k and per proposer, so a composite's free n-gram rounds and costly draft-model rounds
@@ -45,6 +53,8 @@ PRIOR_STRENGTH = 2.0  # pseudo-observations behind the prior (and behind the poo
 DECAY = 0.92  # per-round forgetting: ~12 rounds of memory, so regime changes are followed
 EMA = 0.25  # weight of a new cost observation
 DRAFT_PRIOR_C = 0.3  # draft cost per token, as a fraction of one target forward, until measured
+CATCH_UP_PRIOR_C = 0.05  # a draft model's cost per caught-up (prefilled) token, same units
+STEADY_CATCH_UP = 2  # tokens a draft model feeds every round anyway (last accepted + bonus)
 VERIFY_PRIOR_SLOPE = 0.05  # target cost per extra verified token, same units, until measured
 
 
@@ -171,6 +181,7 @@ class AdaptiveK:
         self.cost = cost
         self.target: dict[int, CostCurve] = {}  # batch size -> curve over T = k + 1
         self.draft: dict[str, CostCurve] = {}  # proposer (source) name -> curve over k
+        self.catch_up: dict[str, float] = {}  # proposer name -> EMA seconds per caught-up token
         self.sources: dict[int, dict[str, float]] = {}  # request id -> decayed rounds per proposer
         # Acceptance counts per proposer (key: its name; None: all proposers together, what a
         # choice without a known proposer uses): engine-wide pools seed each request's own.
@@ -246,31 +257,40 @@ class AdaptiveK:
         n = self.k_max if available is None else available
         return self.choose_among(req, batch_size, limit, [(source, n)])[0]
 
-    def choose_among(self, req, batch_size: int, limit: int,
-                     candidates: list[tuple]) -> tuple[int, str | None, str | None]:
+    def choose_among(self, req, batch_size: int, limit: int, candidates: list[tuple],
+                     remaining: int | None = None) -> tuple[int, str | None, str | None]:
         """(k, proposer, acceptance key) for this round: each candidate (name, tokens it has[,
-        key]) is priced with its own acceptance (by key) and cost (by name), and the best rate
-        wins (k = 0: a plain round, proposer and key None)."""
+        key[, catch-up tokens]]) is priced with its own acceptance (by key), cost (by name) and
+        catch-up spread over `remaining` tokens (None: charged to this round), and the best
+        rate wins (k = 0: a plain round, proposer and key None)."""
         best_k, best_src, best_key, best = 0, None, None, -1.0
         for cand in candidates:
             src, n = cand[0], cand[1]
             key = cand[2] if len(cand) > 2 else src
+            lag = cand[3] if len(cand) > 3 else 0
             kmax = min(self.k_max, limit, n)
             if kmax > 0:
-                k, rate = self._best(req, batch_size, kmax, src, key)
+                k, rate = self._best(req, batch_size, kmax, src, key, lag, remaining)
                 if rate > best * (1 + 1e-9):
                     best_k, best_src, best_key, best = k, src, key, rate
         self.chosen[best_k] += 1
         return (best_k, best_src, best_key) if best_k else (0, None, None)
 
     def _best(self, req, batch_size: int, kmax: int, source: str | None,
-              key: str | None = None) -> tuple[int, float]:
-        """argmax over k in [0, kmax] of E[tokens] / cost, and that rate."""
+              key: str | None = None, lag: int = 0, remaining: int | None = None) -> tuple[int, float]:
+        """argmax over k in [0, kmax] of E[tokens] / cost, and that rate (a catch-up of `lag`
+        tokens, beyond the steady per-round feed, spread over `remaining` tokens)."""
         alphas = self._alphas(req, key or source, kmax)
         costs = self._round_costs(batch_size, kmax, self.sources.get(req.id), source)
+        extra = 0.0  # (a fixed cost model prices rounds only)
+        if lag > STEADY_CATCH_UP and self.cost is None:  # costs[0]: a plain round, t_target(B, 1)
+            extra = (lag - STEADY_CATCH_UP) * self.catch_up.get(source, CATCH_UP_PRIOR_C * costs[0])
         best_k, best = 0, -1.0
         for k, cost in enumerate(costs):
-            rate = expected_tokens(alphas, k) / max(cost, 1e-12)
+            e = expected_tokens(alphas, k)
+            if k and extra:  # (k = 0 drafts nothing, so catches nothing up)
+                cost += extra * (e / max(remaining, e) if remaining else 1.0)
+            rate = e / max(cost, 1e-12)
             if rate > best * (1 + 1e-9):  # ties go to the smaller k
                 best_k, best = k, rate
         return best_k, best
@@ -299,6 +319,19 @@ class AdaptiveK:
         for counts in self.pool.values():
             counts.decay()
         self.target.setdefault(batch_size, CostCurve(VERIFY_PRIOR_SLOPE)).observe(width, seconds)
+
+    def observe_catch_up(self, tokens: int, seconds: float, source: str | None = None) -> None:
+        """A proposing round that first fed `tokens` committed tokens (beyond the steady feed)
+        took `seconds` more than drafting alone is estimated to: seconds per caught-up token."""
+        if tokens > 0 and source is not None:
+            per = max(seconds, 0.0) / tokens
+            old = self.catch_up.get(source)
+            self.catch_up[source] = per if old is None else (1 - EMA) * old + EMA * min(per, 3 * old)
+
+    def draft_estimate(self, k: int, source: str | None) -> float | None:
+        """Measured seconds to draft k tokens (no catch-up) by `source`, or None."""
+        curve = self.draft.get(source)
+        return curve.estimate(k) if curve is not None and len(curve.seen) >= 2 else None
 
     def observe_draft(self, k: int, seconds: float, source: str | None = None) -> None:
         """One round's proposing time at width k, by the proposer that drafted every row."""

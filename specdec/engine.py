@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec import rejection, sampling
-from specdec.adaptive import AdaptiveK, k_policy
+from specdec.adaptive import STEADY_CATCH_UP, AdaptiveK, k_policy
 from specdec.config import DEFAULT_MAX_DRAFT_TOKENS, MAX_DRAFT_TOKENS, SamplingParams
 from specdec.errors import SpecdecError
 from specdec.metrics import SpecStats
@@ -180,7 +180,7 @@ class Engine:
         limit = max(0, min(left - 1, MAX_DRAFT_TOKENS))
         if isinstance(self.policy, AdaptiveK):  # price each part that could draft
             cands = peek(self.proposer, r, min(limit, self.policy.k_max)) if limit > 0 else []
-            return self.policy.choose_among(r, batch_size, limit, cands)
+            return self.policy.choose_among(r, batch_size, limit, cands, remaining=left)
         return self.policy.choose(r, batch_size, limit), None, None
 
     @torch.inference_mode()
@@ -208,10 +208,15 @@ class Engine:
             num_draft = torch.zeros(B, dtype=torch.long, device=dev)
             q = None
         t_draft = time.perf_counter() - t0
-        if proposed and prop.catch_up <= 2 and len(set(sources)) == 1:
-            # (a draft model's prompt prefill or long catch-up is not the cost of drafting k;
-            # mixed sources cannot be told apart)
-            self.policy.observe_draft(max(ks), t_draft, sources[0])
+        if proposed and len(set(sources)) == 1 and isinstance(self.policy, AdaptiveK):
+            # A draft model's prompt prefill or long catch-up is not the cost of drafting k: it
+            # is measured apart, per caught-up token (mixed sources cannot be told apart).
+            if prop.catch_up <= STEADY_CATCH_UP:
+                self.policy.observe_draft(max(ks), t_draft, sources[0])
+            else:
+                est = self.policy.draft_estimate(max(ks), sources[0])
+                extra = t_draft - est if est is not None else t_draft * prop.catch_up / (prop.catch_up + max(ks))
+                self.policy.observe_catch_up(prop.catch_up - STEADY_CATCH_UP, extra, sources[0])
         k = drafts.shape[1]
         L = torch.tensor([len(r.tokens) for r in reqs], device=dev)
         last = torch.tensor([[r.tokens[-1]] for r in reqs], device=dev)

@@ -163,15 +163,18 @@ def test_peek_lists_who_could_draft_and_composite_routes(smollm2):
     R = eng.add_request([5, 6, 7, 8, 5, 6], SamplingParams(temperature=1.0, max_tokens=8))
     ng.begin(R)  # suffix [5, 6] occurred before, followed by 7, 8, 5, 6
     assert ng.peek(R, 3) == [("ngram", 3, "ngram@2")] and ng.peek(R, 8) == [("ngram", 4, "ngram@2")]
-    assert comp.peek(R, 3) == [("ngram", 3, "ngram@2"), ("draft", 3)]
+    # the draft model has no KV yet: it would first feed all 6 prompt tokens
+    assert comp.peek(R, 3) == [("ngram", 3, "ngram@2"), ("draft", 3, "draft", 6)]
     assert ng.propose([R], [8]).tokens[0].tolist() == [7, 8, 5, 6]  # what peek counted
     assert comp.propose([R], [3]).source == ["ngram"]
     comp.accept(R, 0)
     routed = comp.propose([R], [3], only=["draft"])
     assert routed.source == ["draft"] and routed.q is not None and int(routed.num_draft[0]) == 3
+    comp.accept(R, 0)
+    assert comp.peek(R, 3)[-1] == ("draft", 3, "draft", 0)  # caught up: nothing left to feed
     R2 = eng.add_request([1, 2, 3, 4], SamplingParams(temperature=1.0, max_tokens=8))
     ng.begin(R2)  # no earlier occurrence of any suffix
-    assert ng.peek(R2, 4) == [] and comp.peek(R2, 4) == [("draft", 4)]
+    assert ng.peek(R2, 4) == [] and comp.peek(R2, 4) == [("draft", 4, "draft", 4)]
 
 
 def test_choose_among_picks_the_better_proposer():
@@ -220,6 +223,31 @@ def test_first_draft_miss_does_not_condemn_the_continuation():
     slope = AdaptiveK(8, cost=lambda b, k: 1.0 + 0.05 * k)
     slope.pool, slope.state = pol.pool, pol.state
     assert slope.choose_among(r, 1, 8, [("ngram", 8, "ngram@4")])[0] == 8
+
+
+def test_draft_catch_up_priced_and_spread_over_remaining_tokens():
+    """A draft model that must first prefill 300 prompt tokens is not worth it to draft a few
+    tokens of a 64-token answer when a good n-gram match is there, but is worth starting on a
+    short prompt, and for a long answer (its prefill then serves many rounds).  The catch-up
+    cost per token is the measured one (observe_catch_up), not the prior, once seen."""
+    pol = _measured_policy(draft_per_token=0.1)
+    r = _Req(1)
+    pol.begin(r)
+    for _ in range(6):
+        pol.observe_round(r, 4, 4, "draft")
+        pol.observe_round(r, 4, 3, "ngram", "ngram@3")
+    cands = lambda lag: [("ngram", 8, "ngram@3"), ("draft", 8, "draft", lag)]
+    assert pol.choose_among(r, 1, 8, cands(2), remaining=64)[1] == "draft"  # steady state
+    pol.observe_catch_up(100, 100 * 0.02)  # 0.02 s per prefilled token: no source, ignored
+    assert pol.catch_up == {}
+    pol.observe_catch_up(100, 100 * 0.02, "draft")  # target forward = 1 s: 0.02 per token
+    assert pol.catch_up["draft"] == pytest.approx(0.02)
+    assert pol.choose_among(r, 1, 8, cands(300), remaining=64)[1] == "ngram"
+    assert pol.choose_among(r, 1, 8, cands(20), remaining=64)[1] == "draft"
+    assert pol.choose_among(r, 1, 8, cands(300), remaining=4000)[1] == "draft"
+    assert pol.choose_among(r, 1, 8, cands(300))[1] == "ngram"  # unknown remainder: all now
+    # alone, with nothing better than plain decoding, a costly prefill for 2 tokens loses
+    assert pol.choose_among(r, 1, 2, [("draft", 2, "draft", 300)], remaining=2)[0] == 0
 
 
 def test_k_policy():

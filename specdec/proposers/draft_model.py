@@ -47,6 +47,14 @@ class DraftModelProposer:
     def release(self, req) -> None:
         self.cache.set_length(req.row, 0)
 
+    def peek(self, req, k: int) -> list[tuple]:
+        """[(name, k, key, catch-up)]: it can always draft k, after feeding the committed tokens
+        it has no KV for (the whole prompt on its first round, 1-2 tokens in steady state)."""
+        if k <= 0:
+            return []
+        have = self.cache.lengths[req.row] if req.row < self.cache.batch_size else 0
+        return [(self.name, k, self.name, len(req.tokens) - have)]
+
     def _forward(self, tokens, positions, rows):
         t0 = time.perf_counter()
         logits = self.model.forward(tokens, positions, self.cache, rows=rows)
