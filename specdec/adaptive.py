@@ -26,10 +26,12 @@ they are, and a usually-wrong 1-token match no longer keeps the draft model from
 A draft model that has not run for a while must first feed every token committed since (on
 its first round: the whole prompt) -- a prefill that can cost more than the round itself. A
 candidate's catch-up (`peek`'s fourth field) is priced at the proposer's measured seconds per
-caught-up token, spread over the request's remaining tokens (the prefill is paid once, and
-then serves every later round): rate = 1 / (round cost / E[tokens] + catch-up / remaining).
-So a composite on a long copy-heavy prompt does not pay a 300-token draft prefill to draft
-one token, and on a short open-ended prompt it still starts its draft model.
+caught-up token, spread over the request's next min(remaining, 32) tokens (the prefill is paid
+once and serves later rounds, but a composite's n-gram may take over again, so it is not
+assumed to pay back over the whole answer): rate = 1 / (round cost / E[tokens] + catch-up /
+horizon). So a composite on a 180-token copy-heavy prompt does not pay a draft prefill (~1.8 s
+in fp32 here) for the one round its n-gram has no match, and on a short open-ended prompt it
+still starts its draft model.
 
 The costs are measured, not assumed: `CostCurve` keeps an exponential moving average of the
 observed seconds per round for each forward width (target: per batch size B and T = k + 1;
@@ -55,6 +57,7 @@ EMA = 0.25  # weight of a new cost observation
 DRAFT_PRIOR_C = 0.3  # draft cost per token, as a fraction of one target forward, until measured
 CATCH_UP_PRIOR_C = 0.05  # a draft model's cost per caught-up (prefilled) token, same units
 STEADY_CATCH_UP = 2  # tokens a draft model feeds every round anyway (last accepted + bonus)
+CATCH_UP_HORIZON = 32  # a catch-up is spread over at most this many of the next tokens
 VERIFY_PRIOR_SLOPE = 0.05  # target cost per extra verified token, same units, until measured
 
 
@@ -261,7 +264,8 @@ class AdaptiveK:
                      remaining: int | None = None) -> tuple[int, str | None, str | None]:
         """(k, proposer, acceptance key) for this round: each candidate (name, tokens it has[,
         key[, catch-up tokens]]) is priced with its own acceptance (by key), cost (by name) and
-        catch-up spread over `remaining` tokens (None: charged to this round), and the best
+        catch-up spread over the next min(`remaining`, CATCH_UP_HORIZON) tokens (None: charged
+        to this round), and the best
         rate wins (k = 0: a plain round, proposer and key None)."""
         best_k, best_src, best_key, best = 0, None, None, -1.0
         for cand in candidates:
@@ -289,7 +293,8 @@ class AdaptiveK:
         for k, cost in enumerate(costs):
             e = expected_tokens(alphas, k)
             if k and extra:  # (k = 0 drafts nothing, so catches nothing up)
-                cost += extra * (e / max(remaining, e) if remaining else 1.0)
+                horizon = min(remaining, CATCH_UP_HORIZON) if remaining else 0
+                cost += extra * e / max(horizon, e)
             rate = e / max(cost, 1e-12)
             if rate > best * (1 + 1e-9):  # ties go to the smaller k
                 best_k, best = k, rate

@@ -226,10 +226,10 @@ def test_first_draft_miss_does_not_condemn_the_continuation():
 
 
 def test_draft_catch_up_priced_and_spread_over_remaining_tokens():
-    """A draft model that must first prefill 300 prompt tokens is not worth it to draft a few
-    tokens of a 64-token answer when a good n-gram match is there, but is worth starting on a
-    short prompt, and for a long answer (its prefill then serves many rounds).  The catch-up
-    cost per token is the measured one (observe_catch_up), not the prior, once seen."""
+    """A draft model that must first prefill 300 prompt tokens is not worth it when a good
+    n-gram match is there, nor alone against plain decoding, but is worth starting on a short
+    prompt.  The catch-up is spread over at most the next 32 tokens (fewer if the answer ends
+    sooner); its cost per token is the measured one (observe_catch_up) once seen."""
     pol = _measured_policy(draft_per_token=0.1)
     r = _Req(1)
     pol.begin(r)
@@ -244,10 +244,18 @@ def test_draft_catch_up_priced_and_spread_over_remaining_tokens():
     assert pol.catch_up["draft"] == pytest.approx(0.02)
     assert pol.choose_among(r, 1, 8, cands(300), remaining=64)[1] == "ngram"
     assert pol.choose_among(r, 1, 8, cands(20), remaining=64)[1] == "draft"
-    assert pol.choose_among(r, 1, 8, cands(300), remaining=4000)[1] == "draft"
+    assert pol.choose_among(r, 1, 8, cands(300), remaining=4000)[1] == "ngram"  # horizon 32
     assert pol.choose_among(r, 1, 8, cands(300))[1] == "ngram"  # unknown remainder: all now
-    # alone, with nothing better than plain decoding, a costly prefill for 2 tokens loses
-    assert pol.choose_among(r, 1, 2, [("draft", 2, "draft", 300)], remaining=2)[0] == 0
+    # a draft model not seen yet (prior acceptance 0.6), alone against plain decoding, with
+    # the catch-up cost measured here (0.05 target forwards per token): a 300-token prefill
+    # over the next 32 tokens loses, a 20-token one wins, unless the answer is about to end
+    new = _measured_policy(draft_per_token=0.1)
+    new.observe_catch_up(100, 100 * 0.05, "draft")
+    fresh = _Req(2)
+    new.begin(fresh)
+    assert new.choose_among(fresh, 1, 8, [("draft", 8, "draft", 300)], remaining=64)[0] == 0
+    assert new.choose_among(fresh, 1, 8, [("draft", 8, "draft", 20)], remaining=64)[0] > 0
+    assert new.choose_among(fresh, 1, 1, [("draft", 1, "draft", 20)], remaining=2)[0] == 0
 
 
 def test_k_policy():
