@@ -146,6 +146,12 @@ class _Acceptance:
 _NOTHING_SEEN = _Acceptance()  # read-only stand-in for a record with no rounds yet
 
 
+def _measured(curve: CostCurve | None, k: int) -> float | None:
+    """A draft cost curve's estimate at k once it holds a real measurement (its k = 0 point
+    is put there, not measured), else None."""
+    return curve.estimate(k) if curve is not None and len(curve.seen) >= 2 else None
+
+
 class FixedK:
     """The same k every round (the budget near max_tokens / the context limit still cuts it)."""
 
@@ -242,8 +248,9 @@ class AdaptiveK:
         lately (a composite's n-gram rounds are nearly free, its draft-model rounds are not);
         before any round, the costliest curve measured."""
         def cost(curve, src=None):
-            if curve is not None and len(curve.seen) >= 2:
-                return curve.estimate(k)
+            est = _measured(curve, k)
+            if est is not None:
+                return est
             return 0.0 if src in self.free_sources else DRAFT_PRIOR_C * t1 * k
 
         total = sum(shares.values()) if shares else 0.0
@@ -265,8 +272,7 @@ class AdaptiveK:
         """(k, proposer, acceptance key) for this round: each candidate (name, tokens it has[,
         key[, catch-up tokens]]) is priced with its own acceptance (by key), cost (by name) and
         catch-up spread over the next min(`remaining`, CATCH_UP_HORIZON) tokens (None: charged
-        to this round), and the best
-        rate wins (k = 0: a plain round, proposer and key None)."""
+        to this round), and the best rate wins (k = 0: a plain round, proposer and key None)."""
         best_k, best_src, best_key, best = 0, None, None, -1.0
         for cand in candidates:
             src, n = cand[0], cand[1]
@@ -283,17 +289,18 @@ class AdaptiveK:
     def _best(self, req, batch_size: int, kmax: int, source: str | None,
               key: str | None = None, lag: int = 0, remaining: int | None = None) -> tuple[int, float]:
         """argmax over k in [0, kmax] of E[tokens] / cost, and that rate (a catch-up of `lag`
-        tokens, beyond the steady per-round feed, spread over `remaining` tokens)."""
+        tokens, beyond the steady per-round feed, spread over the next min(remaining,
+        CATCH_UP_HORIZON) tokens)."""
         alphas = self._alphas(req, key or source, kmax)
         costs = self._round_costs(batch_size, kmax, self.sources.get(req.id), source)
         extra = 0.0  # (a fixed cost model prices rounds only)
         if lag > STEADY_CATCH_UP and self.cost is None:  # costs[0]: a plain round, t_target(B, 1)
             extra = (lag - STEADY_CATCH_UP) * self.catch_up.get(source, CATCH_UP_PRIOR_C * costs[0])
+        horizon = min(remaining, CATCH_UP_HORIZON) if remaining else 0
         best_k, best = 0, -1.0
         for k, cost in enumerate(costs):
             e = expected_tokens(alphas, k)
             if k and extra:  # (k = 0 drafts nothing, so catches nothing up)
-                horizon = min(remaining, CATCH_UP_HORIZON) if remaining else 0
                 cost += extra * e / max(horizon, e)
             rate = e / max(cost, 1e-12)
             if rate > best * (1 + 1e-9):  # ties go to the smaller k
@@ -335,8 +342,7 @@ class AdaptiveK:
 
     def draft_estimate(self, k: int, source: str | None) -> float | None:
         """Measured seconds to draft k tokens (no catch-up) by `source`, or None."""
-        curve = self.draft.get(source)
-        return curve.estimate(k) if curve is not None and len(curve.seen) >= 2 else None
+        return _measured(self.draft.get(source), k)
 
     def observe_draft(self, k: int, seconds: float, source: str | None = None) -> None:
         """One round's proposing time at width k, by the proposer that drafted every row."""

@@ -19,7 +19,8 @@ class Proposal:
     source: list[str] | None = None  # [B] name of the proposer that drafted each row (metrics);
     # None: the proposer's own name for every row
     catch_up: int = 0  # most committed tokens any row fed before drafting (a draft model's
-    # prompt prefill, or its catch-up after n-gram rounds): such a round's time is no draft cost
+    # prompt prefill, or its catch-up after n-gram rounds): adaptive k measures such a round
+    # as catch-up cost per token, not as the cost of drafting k
 
 
 class Proposer(Protocol):
@@ -41,16 +42,17 @@ class Proposer(Protocol):
 
     def release(self, req: "Request") -> None: ...
 
-    # Optional: `peek(req, k) -> [(name, n[, key]), ...]`: the proposers that could draft for
-    # this request now and how many tokens (<= k, > 0) each has, without drafting, from
-    # committed tokens only, in the proposer's own order of preference; `key` (default: name)
-    # names the acceptance record the round belongs to. Adaptive k prices each and picks one
+    # Optional: `peek(req, k) -> [(name, n[, key[, catch_up]]), ...]`: the proposers that could
+    # draft for this request now and how many tokens (<= k, > 0) each has, without drafting,
+    # from committed tokens only, in the proposer's own order of preference; `key` (default:
+    # name) names the acceptance record the round belongs to, `catch_up` (default 0) the
+    # committed tokens it must feed before drafting. Adaptive k prices each and picks one
     # (a composite then drafts from the one picked: `propose(..., only=names)`).
 
 
 def peek(proposer, req: "Request", k: int) -> list[tuple]:
-    """[(proposer name, tokens it could draft, <= k[, key])]; one without `peek` can always
-    draft k."""
+    """[(proposer name, tokens it could draft, <= k[, key[, catch_up]])]; one without `peek`
+    can always draft k."""
     if hasattr(proposer, "peek"):
         return proposer.peek(req, k)
     return [(proposer.name, k)] if k > 0 else []
