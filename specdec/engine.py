@@ -164,7 +164,8 @@ class Engine:
             tok[b, :n] = torch.tensor(r.tokens[s:s + n])
             # pads go past the row's history (stale slots); clamp keeps them inside the buffer
             pos[b] = torch.arange(s, s + T).clamp(max=self.cache.capacity - 1)
-        self.model.forward(tok.to(dev), pos.to(dev), self.cache, rows=self._rows_arg(todo))
+        self.model.forward(tok.to(dev), pos.to(dev), self.cache, rows=self._rows_arg(todo),
+                           logits_at=torch.zeros(len(todo), 0, dtype=torch.long, device=dev))
         dt = time.perf_counter() - t0
         for r, n in zip(todo, ns):
             self.cache.advance(r.row, n)

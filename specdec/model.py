@@ -92,10 +92,13 @@ class Transformer:
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 mask: torch.Tensor | None = None, return_hidden: bool = False,
-                rows: torch.Tensor | None = None):
+                rows: torch.Tensor | None = None, logits_at: torch.Tensor | None = None):
         """tokens, positions: [B, T] int64. mask: [B, T, T] bool over the new tokens, or None
-        for causal. rows: [B] cache rows to use (default 0..B-1). Returns logits [B, T, V]
-        (and the final hidden states [B, T, dim] when return_hidden)."""
+        for causal. rows: [B] cache rows to use (default 0..B-1). logits_at: [B, n] indices
+        into the T new positions that need logits (None: all T); a prefill needs none (n = 0)
+        and a catch-up one, and the output head is the largest matmul of a small model.
+        Returns logits [B, T or n, V] (and the final hidden states [B, T, dim] when
+        return_hidden)."""
         a = self.args
         H, Hkv, eps = a.n_heads, a.n_kv_heads, a.norm_eps
         step = fused.plan(positions, rows, mask, self.cos, self.sin)  # what every layer shares
@@ -109,7 +112,13 @@ class Transformer:
             h = fused.add_rms_norm(x, linear(o, lw.wo), lw.ffn_norm, eps, fast)
             d = linear(fused.silu_mul(linear(h, lw.w_gate_up), fast), lw.w_down)
         hidden = fused.add_rms_norm(x, d, self.norm, eps, fast)
-        logits = linear(hidden, self.lm_head)  # [B, T, V]
+        if logits_at is None:
+            logits = linear(hidden, self.lm_head)  # [B, T, V]
+        elif logits_at.shape[1] == 0:
+            logits = hidden.new_empty(hidden.shape[0], 0, self.lm_head.n)
+        else:  # rows are computed alone or together to the same bits (batch-invariant kernels)
+            b = torch.arange(hidden.shape[0], device=hidden.device).unsqueeze(1)
+            logits = linear(hidden[b, logits_at], self.lm_head)  # [B, n, V]
         return (logits, hidden) if return_hidden else logits
 
     __call__ = forward

@@ -139,3 +139,23 @@ def test_return_hidden_gives_final_hidden_states():
     assert hidden.shape == (1, 3, model.args.dim)
     assert torch.allclose(hidden @ model.lm_head.dense.float().T if hasattr(model.lm_head, "dense") else hidden,
                           logits, atol=1e-4)
+
+
+def test_logits_at_selects_positions_bit_exactly_and_skips_the_head():
+    """`logits_at` computes the output head on the chosen positions only: bit-identical to the
+    same rows of the full [B, T, V] logits (the kernel is batch-invariant), the same KV written,
+    and n = 0 returns no logits (a prefill)."""
+    model = tiny_model(seed=5, vocab=200, dim=64, layers=2)
+    g = torch.Generator().manual_seed(1)
+    tok = torch.randint(0, 200, (2, 9), generator=g)
+    pos = torch.arange(9).repeat(2, 1)
+    c_full, c_sel, c_none = (model.new_cache(2) for _ in range(3))
+    full = model.forward(tok, pos, c_full)
+    at = torch.tensor([[8, 3], [0, 5]])
+    sel = model.forward(tok, pos, c_sel, logits_at=at)
+    assert sel.shape == (2, 2, 200)
+    assert torch.equal(sel[0], full[0, [8, 3]]) and torch.equal(sel[1], full[1, [0, 5]])
+    none = model.forward(tok, pos, c_none, logits_at=torch.zeros(2, 0, dtype=torch.long))
+    assert none.shape == (2, 0, 200)
+    for (k1, v1), (k2, v2), (k3, v3) in zip(c_full.layers, c_sel.layers, c_none.layers):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2) and torch.equal(k1, k3) and torch.equal(v1, v3)

@@ -57,6 +57,16 @@ def test_logits_close_to_fp32_dequantised(native, smollm2):
     assert min(kept) >= 0.9, kept
 
 
+def test_native_logits_at_is_bit_exact(native):
+    """The native head on selected positions equals those rows of the full logits, bit for bit."""
+    model, _ = native
+    tok = torch.randint(0, 49152, (1, 7), generator=torch.Generator().manual_seed(2))
+    pos = torch.arange(7).view(1, 7)
+    full = model.forward(tok, pos, model.new_cache(1))
+    sel = model.forward(tok, pos, model.new_cache(1), logits_at=torch.tensor([[6, 2]]))
+    assert torch.equal(sel[0], full[0, [6, 2]])
+
+
 def _prompts(tok):
     code = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
     return [tok.encode_prompt(f"Repeat this code exactly, then add a mul function:\n{code}"),

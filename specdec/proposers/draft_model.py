@@ -55,9 +55,9 @@ class DraftModelProposer:
         have = self.cache.lengths[req.row] if req.row < self.cache.batch_size else 0
         return [(self.name, k, self.name, len(req.tokens) - have)]
 
-    def _forward(self, tokens, positions, rows):
+    def _forward(self, tokens, positions, rows, logits_at=None):
         t0 = time.perf_counter()
-        logits = self.model.forward(tokens, positions, self.cache, rows=rows)
+        logits = self.model.forward(tokens, positions, self.cache, rows=rows, logits_at=logits_at)
         self.forward_time += time.perf_counter() - t0
         self.forwards += 1
         return logits[..., : self.V]
@@ -80,9 +80,8 @@ class DraftModelProposer:
             tok[b, : len(f)] = torch.tensor(f)
             # pads sit past the row's history; clamp keeps them inside the buffer (stale slots)
             pos[b] = torch.arange(start, start + T).clamp(max=self.cache.capacity - 1)
-        logits = self._forward(tok.to(dev), pos.to(dev), rows)
-        last = torch.tensor([len(f) - 1 for f in feeds], device=dev)
-        cur = logits[torch.arange(B, device=dev), last]  # [B, V]
+        last = torch.tensor([[len(f) - 1] for f in feeds], device=dev)
+        cur = self._forward(tok.to(dev), pos.to(dev), rows, logits_at=last)[:, 0]  # [B, V]
         L = [len(r.tokens) for r in reqs]
         for b, r in enumerate(reqs):
             self.cache.set_length(r.row, L[b])
