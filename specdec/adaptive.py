@@ -207,21 +207,31 @@ class AdaptiveK:
         self.state.pop(req.id, None)
         self.sources.pop(req.id, None)
 
-    def _alphas(self, req, source: str | None, k: int) -> list[float]:
-        """Per-position estimates shrunk toward the request's overall rate, itself shrunk toward
-        the pool's (and that toward PRIOR_ALPHA).  Pooling positions matters near alpha = 1:
-        each position alone sees few rounds, and a prior pulling all k of them down compounds
-        in the product (8 positions at 0.9 instead of 0.97: 0.43 instead of 0.78)."""
+    def _alphas(self, req, source: str | None, k: int, key: str | None = None) -> list[float]:
+        """Per-position estimates for drafts by `source` under acceptance record `key` (default:
+        the source's own): position 1 shrunk toward the key's rate over all positions, itself
+        shrunk toward the pool's (and that toward PRIOR_ALPHA).  Pooling positions matters near
+        alpha = 1: each position alone sees few rounds, and a prior pulling all k of them down
+        compounds in the product (8 positions at 0.9 instead of 0.97: 0.43 instead of 0.78)."""
+        key = key or source
         # a proposer not seen yet starts from PRIOR_ALPHA, not from the others' record (a
         # composite's useless 1-token n-gram matches must not condemn its draft model unseen)
-        pool = self.pool.get(source) or _NOTHING_SEEN
-        own = self.state[req.id].get(source) or _NOTHING_SEEN
+        pool = self.pool.get(key) or _NOTHING_SEEN
+        own = self.state[req.id].get(key) or _NOTHING_SEEN
         pool_all = pool.rate(PRIOR_ALPHA)
         # The first draft is the gamble; once it is accepted the next ones are a continuation
         # (an n-gram copy that has started goes on far more often than it starts), so
-        # positions 2.. are shrunk toward their own rate, not toward one dragged down by
-        # first-position misses: (8 drafted, 0 accepted) says little about position 5.
-        tail = own.rate(pool.rate(PRIOR_ALPHA, start=1), start=1)
+        # positions 2.. are shrunk toward a continuation rate, not toward one dragged down by
+        # first-position misses: (8 drafted, 0 accepted) says little about position 5.  How a
+        # started copy goes on is the proposer's and the text's, not the matched length's: a
+        # key's continuation is shrunk toward its source's (all its keys together), so a
+        # 1-token match, rarely accepted and so rarely continued, still drafts long where the
+        # request's other copies showed that continuations are accepted whole.
+        src_pool = self.pool.get(source) or _NOTHING_SEEN
+        src_own = self.state[req.id].get(source) or _NOTHING_SEEN
+        tail = src_own.rate(src_pool.rate(PRIOR_ALPHA, start=1), start=1)
+        if key != source:
+            tail = own.rate(tail, start=1)
         return own.alphas(k, [own.rate(pool_all)] + [tail] * (k - 1))
 
     def _round_costs(self, batch_size: int, kmax: int, shares: dict[str, float] | None,
@@ -291,7 +301,7 @@ class AdaptiveK:
         """argmax over k in [0, kmax] of E[tokens] / cost, and that rate (a catch-up of `lag`
         tokens, beyond the steady per-round feed, spread over the next min(remaining,
         CATCH_UP_HORIZON) tokens)."""
-        alphas = self._alphas(req, key or source, kmax)
+        alphas = self._alphas(req, source, kmax, key)
         costs = self._round_costs(batch_size, kmax, self.sources.get(req.id), source)
         extra = 0.0  # (a fixed cost model prices rounds only)
         if lag > STEADY_CATCH_UP and self.cost is None:  # costs[0]: a plain round, t_target(B, 1)
@@ -318,8 +328,8 @@ class AdaptiveK:
         shares = self.sources.setdefault(req.id, {})
         for src in shares:
             shares[src] *= DECAY
-        if num_draft:
-            records = [None] if source is None else [None, key or source]
+        if num_draft:  # the round counts for its key, its source (all its keys) and overall
+            records = [None] if source is None else list(dict.fromkeys([None, source, key or source]))
             if source is not None:
                 shares[source] = shares.get(source, 0.0) + 1.0
             for rec in records:

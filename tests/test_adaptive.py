@@ -217,12 +217,36 @@ def test_first_draft_miss_does_not_condemn_the_continuation():
     r = _Req(1)
     pol.begin(r)
     pol.observe_round(r, 8, 0, "ngram", "ngram@4")
-    a = pol._alphas(r, "ngram@4", 8)
+    a = pol._alphas(r, "ngram", 8, "ngram@4")
     assert a[0] < 0.75 and min(a[1:]) > 0.9, a
     # priced by verify cost growing 5% per token, that makes k = 8 the choice, not a short k
     slope = AdaptiveK(8, cost=lambda b, k: 1.0 + 0.05 * k)
     slope.pool, slope.state = pol.pool, pol.state
     assert slope.choose_among(r, 1, 8, [("ngram", 8, "ngram@4")])[0] == 8
+
+
+def test_short_match_continuation_is_the_sources():
+    """How a started copy goes on is the proposer's, not the matched length's: a request whose
+    4-token matches were copied whole drafts long on a 1-token match too (its first position
+    is the gamble, positions 2.. follow the n-gram's continuation rate), where a record kept
+    per key alone had only the 0.6 prior for the 1-token match's continuation.
+    Control: where the same request's continuations fail, the 1-token match drafts short."""
+    def request(tail_ok: bool):
+        pol = AdaptiveK(8, cost=lambda b, k: 1.0 + 0.05 * k)
+        r = _Req(1)
+        pol.begin(r)
+        for _ in range(4):
+            pol.observe_round(r, 8, 8 if tail_ok else 1, "ngram", "ngram@4")
+        for _ in range(2):  # 1-token matches: missed at once, never continued
+            pol.observe_round(r, 8, 0, "ngram", "ngram@1")
+        return pol, r
+
+    pol, r = request(tail_ok=True)
+    a = pol._alphas(r, "ngram", 8, "ngram@1")
+    assert a[0] < 0.3 and min(a[1:]) > 0.85, a
+    assert pol.choose_among(r, 1, 8, [("ngram", 8, "ngram@1")])[0] == 8
+    pol, r = request(tail_ok=False)
+    assert pol.choose_among(r, 1, 8, [("ngram", 8, "ngram@1")])[0] <= 2
 
 
 def test_draft_catch_up_priced_and_spread_over_remaining_tokens():
