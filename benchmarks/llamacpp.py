@@ -5,12 +5,15 @@ Optional dependency: llama-cpp-python, built from source for this CPU (`make ben
 
 For each prompt, back to back: llama.cpp plain greedy decode, our plain greedy decode on the
 GGUF's own blocks (--dtype native), and our speculative decode (--dtype native; the Qwen pair
-drafts with the 0.5B model at its own Q5_0/Q8_0, SmolLM2 with the n-gram proposer).  Same
+drafts with the 0.5B model at `--draft-dtype`: its own Q5_0/Q8_0 blocks, "native", or those
+requantised to Q4_0, "q4_0"; SmolLM2 with the n-gram proposer).  Same
 prompt token ids (our tokenizer's chat template, fed to llama.cpp as ids), same thread count,
 `--max-tokens` tokens each with EOS ignored, so every engine decodes the same number of tokens.
-Decode tokens/s excludes the prompt's prefill on every side (llama.cpp: from the first generated
-token to the last).  Reports per-engine median tokens/s over prompts, per-prompt median ratios,
-then one JSON line.
+Decode tokens/s excludes prompt processing on every side (llama.cpp: from the first generated
+token to the last; ours: the target's prompt prefill and the draft model's, both done before the
+first round).  End-to-end tokens/s counts it (tokens / time from the call to the last token), so
+a cost moved from decoding into prompt processing shows there.  Reports per-engine median
+tokens/s over prompts, per-prompt median ratios, then one JSON line.
 
     .venv/bin/python benchmarks/llamacpp.py --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b
     .venv/bin/python benchmarks/llamacpp.py --model smollm2-135m --proposer ngram
@@ -26,10 +29,11 @@ import time
 import torch
 
 
-def llama_decode(llm, ids: list[int], n: int) -> tuple[list[int], float]:
-    """Greedy decode n tokens after ids; returns (tokens, decode tokens/s after the first)."""
+def llama_decode(llm, ids: list[int], n: int) -> tuple[list[int], float, float]:
+    """Greedy decode n tokens after ids; returns (tokens, decode tokens/s after the first,
+    end-to-end tokens/s from the call)."""
     llm.reset()
-    out, t_first = [], None
+    out, t_first, t_call = [], None, time.perf_counter()
     for tok in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
                             reset=True):
         out.append(tok)
@@ -37,7 +41,8 @@ def llama_decode(llm, ids: list[int], n: int) -> tuple[list[int], float]:
             t_first = time.perf_counter()
         if len(out) == n:
             break
-    return out, (len(out) - 1) / (time.perf_counter() - t_first)
+    t_end = time.perf_counter()
+    return out, (len(out) - 1) / (t_end - t_first), len(out) / (t_end - t_call)
 
 
 def main():
@@ -46,6 +51,8 @@ def main():
     ap.add_argument("--draft", default=None, help="draft model (default: n-gram proposer)")
     ap.add_argument("--proposer", default=None, help="ngram (default without --draft)")
     ap.add_argument("--num-draft-tokens", type=int, default=4)
+    ap.add_argument("--draft-dtype", default="native", choices=["native", "q4_0"],
+                    help="the draft model's weights: its GGUF blocks, or those requantised to Q4_0")
     ap.add_argument("--num-prompts", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
@@ -66,9 +73,10 @@ def main():
     target, tok = load_model(a.model, "native", "cpu")
     V = min(tok.vocab_size, target.args.vocab_size)
     if a.draft:
-        draft, dtok = load_model(a.draft, "native", "cpu")
+        draft, dtok = load_model(a.draft, a.draft_dtype, "cpu")
         V = min(check_draft_compatible(tok, dtok, a.model, a.draft), V, draft.args.vocab_size)
-        proposer, spec_name = DraftModelProposer(draft, V, 2048), f"ours spec (draft {a.draft}, native)"
+        proposer = DraftModelProposer(draft, V, 2048)
+        spec_name = f"ours spec (draft {a.draft}, {a.draft_dtype})"
     else:
         proposer, spec_name = NgramProposer(1, 4), "ours spec (n-gram)"
     k = a.num_draft_tokens
@@ -81,19 +89,21 @@ def main():
 
     def ours(eng, ids):
         r = eng.generate([ids], params)[0]
-        return r.output, len(r.output) / r.decode_time, r.stats
+        return r.output, len(r.output) / r.decode_time, len(r.output) / (r.prefill_time + r.decode_time), r.stats
 
     names = ["llama.cpp plain", "ours plain (native)", f"{spec_name} k={k}"]
     rates = {n: [] for n in names}
+    e2e = {n: [] for n in names}
     agree, acc = [], []
     llama_decode(llm, prompts[0], 8), ours(plain, prompts[0]), ours(spec, prompts[0])  # warm-up
     for i, ids in enumerate(prompts[1:]):
-        lt, lr = llama_decode(llm, ids, a.max_tokens)
-        pt, pr, _ = ours(plain, ids)
-        st, sr, stats = ours(spec, ids)
+        lt, lr, le = llama_decode(llm, ids, a.max_tokens)
+        pt, pr, pe, _ = ours(plain, ids)
+        st, sr, se, stats = ours(spec, ids)
         assert st == pt, f"prompt {i}: speculative output differs from plain"
-        for n, r in zip(names, (lr, pr, sr)):
+        for n, r, e in zip(names, (lr, pr, sr), (le, pe, se)):
             rates[n].append(r)
+            e2e[n].append(e)
         same = next((j for j, (x, y) in enumerate(zip(lt, pt)) if x != y), min(len(lt), len(pt)))
         agree.append(same)
         acc.append(stats.to_dict()["acceptance_rate"])
@@ -101,14 +111,19 @@ def main():
               + f"  tok/s; same first tokens as llama.cpp: {same}", flush=True)
     med = {n: statistics.median(v) for n, v in rates.items()}
     ratio = {n: statistics.median(r / l for r, l in zip(v, rates[names[0]])) for n, v in rates.items()}
+    med_e2e = {n: statistics.median(v) for n, v in e2e.items()}
+    ratio_e2e = {n: statistics.median(r / l for r, l in zip(v, e2e[names[0]])) for n, v in e2e.items()}
     print(f"\n{a.model}, {len(prompts) - 1} HumanEval prompts x {a.max_tokens} tokens, greedy, "
           f"{a.threads} threads")
-    print(f"| engine | median tok/s | median ratio vs llama.cpp |\n|---|---|---|")
+    print("| engine | decode tok/s (median) | ratio vs llama.cpp | end-to-end tok/s | ratio |\n"
+          "|---|---|---|---|---|")
     for n in names:
-        print(f"| {n} | {med[n]:.2f} | {ratio[n]:.2f}x |")
+        print(f"| {n} | {med[n]:.2f} | {ratio[n]:.2f}x | {med_e2e[n]:.2f} | {ratio_e2e[n]:.2f}x |")
     print(f"acceptance rate (median): {statistics.median(acc):.3f}; tokens identical to llama.cpp "
           f"before the first difference (median): {statistics.median(agree)}")
     print(json.dumps({"benchmark": "llamacpp", "model": a.model, "draft": a.draft or "ngram", "k": k,
+                      "draft_dtype": a.draft_dtype if a.draft else None,
+                      "median_end_to_end_tok_s": med_e2e, "median_end_to_end_ratio": ratio_e2e,
                       "threads": a.threads, "prompts": len(prompts) - 1, "max_tokens": a.max_tokens,
                       "median_tok_s": med, "median_ratio_vs_llamacpp": ratio,
                       "acceptance_rate": statistics.median(acc)}))

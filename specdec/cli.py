@@ -17,10 +17,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"registry name, GGUF file or HF directory (default: {DEFAULT_MODEL})")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "native"],
-                   help="target weight storage; bf16 rounds the target's weights and native runs the "
-                        "GGUF's own quantised blocks with int8 activations, so both CHANGE the "
-                        "model whose distribution is reproduced (default: fp32)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "native", "q4_0"],
+                   help="target weight storage; bf16 rounds the target's weights, native runs the "
+                        "GGUF's own quantised blocks with int8 activations and q4_0 those blocks "
+                        "requantised to Q4_0, so all three CHANGE the model whose distribution is "
+                        "reproduced (default: fp32)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--max-model-len", type=int, default=4096, help="context length cap (default: 4096)")
@@ -39,8 +40,10 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-draft-tokens", type=int, default=8, help="k_max for auto (default 8)")
     p.add_argument("--draft-sampling", default="probabilistic", choices=["probabilistic", "greedy"],
                    help="draft samples from q (probabilistic) or takes its argmax (one-hot q)")
-    p.add_argument("--draft-dtype", default="fp32", choices=["fp32", "bf16", "native"],
-                   help="draft weight storage; never changes the output distribution, only acceptance")
+    p.add_argument("--draft-dtype", default="fp32", choices=["fp32", "bf16", "native", "q4_0"],
+                   help="draft weight storage (q4_0: its GGUF blocks requantised to Q4_0, the "
+                        "fewest bytes per step); never changes the output distribution, only "
+                        "acceptance and speed")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -166,6 +166,8 @@ class Engine:
             pos[b] = torch.arange(s, s + T).clamp(max=self.cache.capacity - 1)
         self.model.forward(tok.to(dev), pos.to(dev), self.cache, rows=self._rows_arg(todo),
                            logits_at=torch.zeros(len(todo), 0, dtype=torch.long, device=dev))
+        if hasattr(self.proposer, "prefill"):  # a draft model's prompt is prompt processing too
+            self.proposer.prefill(todo)
         dt = time.perf_counter() - t0
         for r, n in zip(todo, ns):
             self.cache.advance(r.row, n)

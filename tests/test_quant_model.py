@@ -117,6 +117,48 @@ def test_api_native_speculative_ngram():
     assert spec.generate([prompt], params)[0].token_ids == plain.token_ids
 
 
+def test_requantise_to_q4_0_is_gguf_q4_0_of_the_values():
+    """requantise = gguf's own Q4_0 quantiser on gguf's dequantised values: every value within
+    one Q4_0 step (|d| = amax / 8; the code range -8..7 clips the far end of the other sign by
+    up to a step) of the original, and the bytes are gguf's."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from specdec.kernels.quant import QuantTensor, requantise
+
+    w = torch.randn(48, 256, generator=torch.Generator().manual_seed(0)).numpy()
+    q8 = QuantTensor("Q8_0", quantize(w, GGMLQuantizationType.Q8_0), (48, 256))
+    q4 = requantise(q8, "Q4_0")
+    assert q4.qtype == "Q4_0" and q4.shape == (48, 256)
+    src = q8.dequantize().reshape(48, 8, 32)
+    err = (q4.dequantize().reshape(48, 8, 32) - src).abs().amax(-1)
+    step = src.abs().amax(-1) / 8
+    assert (err <= step * 1.01).all() and err.max() > 0  # (d is stored as fp16)
+    assert (q4.raw == quantize(src.reshape(48, 256).numpy(), GGMLQuantizationType.Q4_0)).all()
+
+
+def test_q4_0_draft_leaves_greedy_output_unchanged():
+    """`--draft-dtype q4_0`: the draft's matrices (Q4_1 blocks and the tied Q8_0 head/embedding)
+    become Q4_0, a different model: greedy speculative output still equals plain output."""
+    from specdec.api import load_model
+    from specdec.engine import Engine
+    from specdec.proposers import DraftModelProposer
+
+    model, tok = load_model("smollm2-135m", "native", "cpu")
+    draft, _ = load_model("smollm2-135m", "q4_0", "cpu")
+    assert draft.lm_head.segments == (("Q4_0", 49152),)
+    assert {s[0] for s in draft.layers[0].w_gate_up.segments} == {"Q4_0"}
+    prompts = _prompts(tok)
+    params = SamplingParams(temperature=0, max_tokens=32)
+    plain = [Engine(model, tok, max_seq_len=512).generate([p], params)[0].output for p in prompts]
+    eng = Engine(model, tok, DraftModelProposer(draft, tok.vocab_size, 512), num_draft_tokens=4,
+                 max_seq_len=512)
+    got = [eng.generate([p], params)[0] for p in prompts]
+    assert [r.output for r in got] == plain
+    acc = sum(r.stats.accepted_tokens for r in got) / sum(r.stats.draft_tokens for r in got)
+    assert 0.3 < acc < 1.0, acc  # the same network, coarser: mostly, not always, right
+
+
 def test_native_needs_gguf(tmp_path):
     from specdec.api import load_model
     from specdec.errors import SpecdecError

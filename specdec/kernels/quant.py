@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["QUANT_TYPES", "QuantTensor", "QuantWeight", "prepare_quant", "linear", "pack", "unpack",
-           "quantise_activations"]
+           "quantise_activations", "requantise"]
 
 NR = 16  # outputs per panel; must match NR in qlinear.cpp
 
@@ -82,6 +82,18 @@ class QuantTensor:
 
 
 # --- GGUF blocks <-> (codes, scale fields) ----------------------------------------------------
+
+def requantise(qt: QuantTensor, qtype: str = "Q4_0") -> QuantTensor:
+    """qt's values (gguf's dequantisation) quantised again as `qtype` by the gguf package: fewer
+    bytes per weight, a different (coarser) model.  For a draft, which only proposes tokens."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    if qtype not in QUANT_TYPES:
+        raise ValueError(f"quant type must be one of {', '.join(QUANT_TYPES)}, got {qtype!r}")
+    raw = quantize(qt.dequantize().numpy(), GGMLQuantizationType[qtype])
+    return QuantTensor(qtype, raw, qt.shape)
+
 
 def _f16(b: np.ndarray) -> np.ndarray:
     """[..., 2] bytes -> [...] float16."""

@@ -48,6 +48,11 @@ class Proposer(Protocol):
     # name) names the acceptance record the round belongs to, `catch_up` (default 0) the
     # committed tokens it must feed before drafting. Adaptive k prices each and picks one
     # (a composite then drafts from the one picked: `propose(..., only=names)`).
+    #
+    # Optional: `prefill(reqs)`: called with the target's prompt prefill, for requests whose
+    # prompt the proposer will certainly need (a draft model's KV for every committed token
+    # but the last); its time is prompt processing, not decoding.  A composite has none: it
+    # may never start its draft model, and adaptive k prices that catch-up when it does.
 
 
 def peek(proposer, req: "Request", k: int) -> list[tuple]:

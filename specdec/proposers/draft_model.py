@@ -55,6 +55,29 @@ class DraftModelProposer:
         have = self.cache.lengths[req.row] if req.row < self.cache.batch_size else 0
         return [(self.name, k, self.name, len(req.tokens) - have)]
 
+    @torch.inference_mode()
+    def prefill(self, reqs) -> None:
+        """KV for every committed token but the last (what the target's prefill gives the
+        target), no logits: the first round then feeds one token, like any other."""
+        todo = [r for r in reqs if len(r.tokens) - 1 > self.cache.lengths[r.row]]
+        if not todo:
+            return
+        dev = self.model.device
+        starts = [self.cache.lengths[r.row] for r in todo]
+        ns = [len(r.tokens) - 1 - s for r, s in zip(todo, starts)]
+        T = max(ns)
+        tok = torch.zeros(len(todo), T, dtype=torch.long)
+        pos = torch.zeros(len(todo), T, dtype=torch.long)
+        for b, (r, s, n) in enumerate(zip(todo, starts, ns)):
+            tok[b, :n] = torch.tensor(r.tokens[s:s + n])
+            pos[b] = torch.arange(s, s + T).clamp(max=self.cache.capacity - 1)  # pads: stale slots
+        rows = [r.row for r in todo]
+        rows = None if rows == list(range(len(todo))) else torch.tensor(rows, device=dev)
+        self.model.forward(tok.to(dev), pos.to(dev), self.cache, rows=rows,
+                           logits_at=torch.zeros(len(todo), 0, dtype=torch.long, device=dev))
+        for r, s, n in zip(todo, starts, ns):
+            self.cache.set_length(r.row, s + n)
+
     def _forward(self, tokens, positions, rows, logits_at=None):
         t0 = time.perf_counter()
         logits = self.model.forward(tokens, positions, self.cache, rows=rows, logits_at=logits_at)
