@@ -28,6 +28,7 @@ from specdec import rejection, sampling
 from specdec.adaptive import STEADY_CATCH_UP, AdaptiveK, k_policy
 from specdec.config import DEFAULT_MAX_DRAFT_TOKENS, MAX_DRAFT_TOKENS, SamplingParams
 from specdec.errors import SpecdecError
+from specdec.kv_cache import ragged_block
 from specdec.metrics import SpecStats
 from specdec.proposers.base import peek
 from specdec.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -157,13 +158,8 @@ class Engine:
         t0 = time.perf_counter()
         starts = [self.cache.lengths[r.row] for r in todo]
         ns = [len(r.tokens) - 1 - s for r, s in zip(todo, starts)]
-        T = max(ns)
-        tok = torch.zeros(len(todo), T, dtype=torch.long)
-        pos = torch.zeros(len(todo), T, dtype=torch.long)
-        for b, (r, s, n) in enumerate(zip(todo, starts, ns)):
-            tok[b, :n] = torch.tensor(r.tokens[s:s + n])
-            # pads go past the row's history (stale slots); clamp keeps them inside the buffer
-            pos[b] = torch.arange(s, s + T).clamp(max=self.cache.capacity - 1)
+        tok, pos = ragged_block([r.tokens[s:s + n] for r, s, n in zip(todo, starts, ns)], starts,
+                                self.cache.capacity)
         self.model.forward(tok.to(dev), pos.to(dev), self.cache, rows=self._rows_arg(todo),
                            logits_at=torch.zeros(len(todo), 0, dtype=torch.long, device=dev))
         if hasattr(self.proposer, "prefill"):  # a draft model's prompt is prompt processing too

@@ -15,6 +15,19 @@ import torch
 from specdec.errors import SpecdecError
 
 
+def ragged_block(chunks: list[list[int]], starts: list[int], capacity: int):
+    """(tokens, positions) [B, T] int64 for feeding rows their own token runs at once: row b's
+    `chunks[b]` at positions starts[b].., padded at the end to the longest (T).  Pads sit past
+    the row's history and are clamped inside the buffer: stale slots, overwritten later."""
+    T = max(len(c) for c in chunks)
+    tok = torch.zeros(len(chunks), T, dtype=torch.long)
+    pos = torch.zeros(len(chunks), T, dtype=torch.long)
+    for b, (c, s) in enumerate(zip(chunks, starts)):
+        tok[b, :len(c)] = torch.tensor(c, dtype=torch.long)
+        pos[b] = torch.arange(s, s + T).clamp(max=capacity - 1)
+    return tok, pos
+
+
 class KVCache:
     def __init__(self, n_layers: int, batch_size: int, n_kv_heads: int, head_dim: int,
                  max_seq_len: int, headroom: int = 33, dtype=torch.float32, device="cpu"):

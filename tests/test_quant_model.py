@@ -89,18 +89,22 @@ def test_greedy_ngram_equals_plain_native(native, k):
     assert sum(r.stats.accepted_tokens for r in got) > 0
 
 
-def test_greedy_self_draft_equals_plain_native(native):
-    """The native model drafting for itself: every draft accepted, output unchanged."""
+def _draft_vs_plain(model, tok, draft, prompts, k):
+    """(plain greedy outputs, speculative results with `draft` drafting k), one prompt at a time."""
     from specdec.engine import Engine
     from specdec.proposers import DraftModelProposer
 
-    model, tok = native
-    prompts = _prompts(tok)[1:]
     params = SamplingParams(temperature=0, max_tokens=32)
     plain = [Engine(model, tok, max_seq_len=512).generate([p], params)[0].output for p in prompts]
-    eng = Engine(model, tok, DraftModelProposer(model, tok.vocab_size, 512), num_draft_tokens=5,
+    eng = Engine(model, tok, DraftModelProposer(draft, tok.vocab_size, 512), num_draft_tokens=k,
                  max_seq_len=512)
-    got = [eng.generate([p], params)[0] for p in prompts]
+    return plain, [eng.generate([p], params)[0] for p in prompts]
+
+
+def test_greedy_self_draft_equals_plain_native(native):
+    """The native model drafting for itself: every draft accepted, output unchanged."""
+    model, tok = native
+    plain, got = _draft_vs_plain(model, tok, model, _prompts(tok)[1:], 5)
     assert [r.output for r in got] == plain
     assert all(r.stats.accepted_tokens == r.stats.draft_tokens > 0 for r in got)
 
@@ -137,23 +141,16 @@ def test_requantise_to_q4_0_is_gguf_q4_0_of_the_values():
     assert (q4.raw == quantize(src.reshape(48, 256).numpy(), GGMLQuantizationType.Q4_0)).all()
 
 
-def test_q4_0_draft_leaves_greedy_output_unchanged():
+def test_q4_0_draft_leaves_greedy_output_unchanged(native):
     """`--draft-dtype q4_0`: the draft's matrices (Q4_1 blocks and the tied Q8_0 head/embedding)
     become Q4_0, a different model: greedy speculative output still equals plain output."""
     from specdec.api import load_model
-    from specdec.engine import Engine
-    from specdec.proposers import DraftModelProposer
 
-    model, tok = load_model("smollm2-135m", "native", "cpu")
+    model, tok = native
     draft, _ = load_model("smollm2-135m", "q4_0", "cpu")
     assert draft.lm_head.segments == (("Q4_0", 49152),)
     assert {s[0] for s in draft.layers[0].w_gate_up.segments} == {"Q4_0"}
-    prompts = _prompts(tok)
-    params = SamplingParams(temperature=0, max_tokens=32)
-    plain = [Engine(model, tok, max_seq_len=512).generate([p], params)[0].output for p in prompts]
-    eng = Engine(model, tok, DraftModelProposer(draft, tok.vocab_size, 512), num_draft_tokens=4,
-                 max_seq_len=512)
-    got = [eng.generate([p], params)[0] for p in prompts]
+    plain, got = _draft_vs_plain(model, tok, draft, _prompts(tok), 4)
     assert [r.output for r in got] == plain
     acc = sum(r.stats.accepted_tokens for r in got) / sum(r.stats.draft_tokens for r in got)
     assert 0.3 < acc < 1.0, acc  # the same network, coarser: mostly, not always, right

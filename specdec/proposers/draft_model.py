@@ -17,6 +17,7 @@ import time
 import torch
 
 from specdec import sampling
+from specdec.kv_cache import ragged_block
 from specdec.proposers.base import Proposal
 
 
@@ -65,12 +66,8 @@ class DraftModelProposer:
         dev = self.model.device
         starts = [self.cache.lengths[r.row] for r in todo]
         ns = [len(r.tokens) - 1 - s for r, s in zip(todo, starts)]
-        T = max(ns)
-        tok = torch.zeros(len(todo), T, dtype=torch.long)
-        pos = torch.zeros(len(todo), T, dtype=torch.long)
-        for b, (r, s, n) in enumerate(zip(todo, starts, ns)):
-            tok[b, :n] = torch.tensor(r.tokens[s:s + n])
-            pos[b] = torch.arange(s, s + T).clamp(max=self.cache.capacity - 1)  # pads: stale slots
+        tok, pos = ragged_block([r.tokens[s:s + n] for r, s, n in zip(todo, starts, ns)], starts,
+                                self.cache.capacity)
         rows = [r.row for r in todo]
         rows = None if rows == list(range(len(todo))) else torch.tensor(rows, device=dev)
         self.model.forward(tok.to(dev), pos.to(dev), self.cache, rows=rows,
@@ -96,13 +93,7 @@ class DraftModelProposer:
         # Catch-up: feed committed tokens this draft has no KV for (ragged: pad at the end).
         feeds = [r.tokens[self.cache.lengths[r.row]:] for r in reqs]
         T = max(len(f) for f in feeds)
-        tok = torch.zeros(B, T, dtype=torch.long)
-        pos = torch.zeros(B, T, dtype=torch.long)
-        for b, (r, f) in enumerate(zip(reqs, feeds)):
-            start = self.cache.lengths[r.row]
-            tok[b, : len(f)] = torch.tensor(f)
-            # pads sit past the row's history; clamp keeps them inside the buffer (stale slots)
-            pos[b] = torch.arange(start, start + T).clamp(max=self.cache.capacity - 1)
+        tok, pos = ragged_block(feeds, [self.cache.lengths[r.row] for r in reqs], self.cache.capacity)
         last = torch.tensor([[len(f) - 1] for f in feeds], device=dev)
         cur = self._forward(tok.to(dev), pos.to(dev), rows, logits_at=last)[:, 0]  # [B, V]
         L = [len(r.tokens) for r in reqs]
