@@ -11,8 +11,9 @@ alpha_i is the request's running estimate of P(draft i accepted | drafts 1..i-1 
 Beta-smoothed ratio of decayed counts (accepted at i / reached i), started from the engine-wide
 pool so a new request inherits what earlier requests taught; each position's estimate is shrunk
 toward the request's rate (the first position toward the rate over all positions, the others
-toward the continuation rate over positions 2.., since a missed first draft says little about
-how a started copy continues), so a few rounds suffice near alpha = 1.
+toward the continuation rate over positions 2.. of all the proposer's rounds, whatever n-gram
+length matched: a missed first draft says little about how a started copy continues, and a
+short match that starts one continues like a long one), so a few rounds suffice near alpha = 1.
 
 Estimates and draft costs are kept per proposer: before choosing, the engine asks the proposer
 which of its parts could draft this round and how many tokens each has (`Proposer.peek`: a
