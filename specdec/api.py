@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.config import SamplingParams, SpeculativeConfig
+from specdec.config import DTYPES, SamplingParams, SpeculativeConfig
 from specdec.engine import Engine
 from specdec.errors import SpecdecError
 from specdec.hub import DEFAULT_MODEL, REGISTRY, model_path, resolve_model
@@ -16,10 +16,9 @@ from specdec.model import Transformer
 from specdec.tokenizer import Tokenizer
 from specdec.weights import load_hf_dir, read_gguf_native
 
-# native: the GGUF's own quantised blocks; q4_0: those blocks requantised to Q4_0 where they
-# have more bits (a cheaper, coarser draft: ~0.8x the time per 0.5B Qwen decode step here)
-DTYPES = ("fp32", "bf16", "native", "q4_0")
-REQUANT_BITS = {"Q8_0": 8.5, "Q6_K": 6.5625, "Q5_0": 5.5, "Q4_1": 5.0}  # bits per weight > Q4_0's 4.5
+# GGUF block types with more bits per weight than Q4_0's 4.5 (Q8_0 8.5, Q6_K 6.56, Q5_0 5.5,
+# Q4_1 5.0): what dtype q4_0 requantises (~0.8x the time per 0.5B Qwen decode step here)
+REQUANTISED = ("Q8_0", "Q6_K", "Q5_0", "Q4_1")
 
 
 def default_device() -> str:
@@ -51,14 +50,15 @@ def load_model(name: str, dtype: str = "fp32", device: str | None = None, progre
 
 
 def _requantised(state: dict, tied: bool) -> dict:
-    """Every matrix the kernel streams (not an untied embedding: only its looked-up rows are
-    read) requantised to Q4_0 where its own type has more bits per weight."""
+    """Every block-quantised matrix the kernel streams (not an untied embedding: only its
+    looked-up rows are read; not fp16/fp32 matrices) requantised to Q4_0 where its own type
+    has more bits per weight."""
     from specdec.kernels.quant import QuantTensor, requantise
 
     def streamed(name):
         return tied or name != "model.embed_tokens.weight"
 
-    return {n: requantise(w, "Q4_0") if isinstance(w, QuantTensor) and w.qtype in REQUANT_BITS
+    return {n: requantise(w, "Q4_0") if isinstance(w, QuantTensor) and w.qtype in REQUANTISED
             and streamed(n) else w for n, w in state.items()}
 
 
@@ -95,6 +95,7 @@ class LLM:
         self.spec = None
         proposer = None
         vocab = min(self.model.args.vocab_size, self.tokenizer.vocab_size)
+        max_len = max_model_len  # the context: also capped by a draft model's own
         if speculative_config is not None:
             spec = speculative_config if isinstance(speculative_config, SpeculativeConfig) \
                 else SpeculativeConfig(**speculative_config)
@@ -102,7 +103,7 @@ class LLM:
             if spec.num_draft_tokens != 0:  # k = 0 is plain decoding: nothing to load
                 from specdec.harness import make_proposer
 
-                draft, max_len = None, max_model_len
+                draft = None
                 if spec.proposer in ("draft", "composite"):
                     draft, dtok = load_model(spec.draft, spec.draft_dtype, device, progress)
                     vocab = check_draft_compatible(self.tokenizer, dtok, model, spec.draft)
@@ -112,7 +113,7 @@ class LLM:
                                          spec.ngram_min, spec.ngram_max)
         self.engine = Engine(self.model, self.tokenizer, proposer,
                              self.spec.num_draft_tokens if self.spec else 0,
-                             max_batch=max_batch, max_seq_len=max_model_len, vocab_size=vocab,
+                             max_batch=max_batch, max_seq_len=max_len, vocab_size=vocab,
                              max_draft_tokens=self.spec.max_draft_tokens if self.spec else 0)
         self.load_s = time.perf_counter() - t0
 

@@ -138,6 +138,9 @@ class SamplingParams:
 MAX_DRAFT_TOKENS = 32
 DEFAULT_MAX_DRAFT_TOKENS = 8  # k_max of adaptive k: past ~8 the verify cost grows (kernels bench)
 DRAFT_SAMPLING = ("probabilistic", "greedy")
+# weight storage: fp32, bf16 (rounded), native (the GGUF's own quantised blocks), q4_0 (those
+# blocks requantised to Q4_0 where they have more bits: a cheaper, coarser draft)
+DTYPES = ("fp32", "bf16", "native", "q4_0")
 PROPOSERS = ("draft", "ngram", "composite")
 
 
@@ -170,6 +173,8 @@ class SpeculativeConfig:
             raise SpecdecError(
                 f"max_draft_tokens={self.max_draft_tokens!r} must be an integer in [0, {MAX_DRAFT_TOKENS}]")
         check_range("max_draft_tokens", self.max_draft_tokens, 0, MAX_DRAFT_TOKENS)
+        if self.draft_dtype not in DTYPES:
+            raise SpecdecError(f"draft_dtype={self.draft_dtype!r}; allowed: {', '.join(DTYPES)}")
         if self.draft_sampling not in DRAFT_SAMPLING:
             raise SpecdecError(
                 f"draft_sampling={self.draft_sampling!r}; allowed: {', '.join(DRAFT_SAMPLING)}")

@@ -150,7 +150,8 @@ class Engine:
 
     # ---- the round -------------------------------------------------------------------------
     def _prefill(self, reqs: list[Request]) -> None:
-        """Give the target KV for every committed token but the last (one padded forward)."""
+        """Give the target KV for every committed token but the last (one padded forward), and
+        a draft model that will draft its prompt's KV likewise (Proposer.prefill)."""
         todo = [r for r in reqs if len(r.tokens) - 1 > self.cache.lengths[r.row]]
         if not todo:
             return
@@ -162,8 +163,13 @@ class Engine:
                                 self.cache.capacity)
         self.model.forward(tok.to(dev), pos.to(dev), self.cache, rows=self._rows_arg(todo),
                            logits_at=torch.zeros(len(todo), 0, dtype=torch.long, device=dev))
-        if hasattr(self.proposer, "prefill"):  # a draft model's prompt is prompt processing too
-            self.proposer.prefill(todo)
+        # A draft model's prompt is prompt processing too, where it will surely be needed: at a
+        # fixed k > 0, for requests with room to draft (adaptive k prices it as catch-up and may
+        # never start the draft model).
+        if hasattr(self.proposer, "prefill") and not isinstance(self.policy, AdaptiveK):
+            drafting = [r for r in todo if self._budget(r, len(todo))[0] > 0]
+            if drafting:
+                self.proposer.prefill(drafting)
         dt = time.perf_counter() - t0
         for r, n in zip(todo, ns):
             self.cache.advance(r.row, n)

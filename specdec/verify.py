@@ -72,18 +72,25 @@ class MemoModel:
         cache.slots = torch.full((batch_size, cache.capacity), -1, dtype=torch.long)  # [B, S]
         return cache
 
-    def forward(self, tokens, positions, cache, mask=None, return_hidden=False, rows=None):
-        """tokens, positions [B, T] -> logits [B, T, V], as model.forward (causal, no mask)."""
+    def forward(self, tokens, positions, cache, mask=None, return_hidden=False, rows=None,
+                logits_at=None):
+        """tokens, positions [B, T] -> logits [B, T or n, V], as model.forward (causal, no mask;
+        logits_at [B, n]: those positions only, none for n = 0)."""
         assert mask is None and not return_hidden
         B, T = tokens.shape
         rows = torch.arange(B) if rows is None else rows.cpu()
         pos = positions.cpu()
         cache.slots[rows.view(B, 1).expand(B, T), pos] = tokens.cpu()
+        if logits_at is not None:
+            pos = pos.gather(1, logits_at.cpu())
+            if pos.shape[1] == 0:  # a prefill: the slots are written, nothing to look up
+                return torch.empty(B, 0, self.args.vocab_size, device=self.device)
+        n = pos.shape[1]
         hist = cache.slots[rows].tolist()
         keys = [tuple(hist[b][:p + 1]) for b, prow in enumerate(pos.tolist()) for p in prow]
-        if all(keys[b * T:(b + 1) * T] == keys[:T] for b in range(1, B)):  # e.g. the prompt's prefill
-            return self.logits(keys[:T]).unsqueeze(0).expand(B, T, -1).to(self.device)
-        return self.logits(keys).view(B, T, -1).to(self.device)
+        if all(keys[b * n:(b + 1) * n] == keys[:n] for b in range(1, B)):  # e.g. the prompt's prefill
+            return self.logits(keys[:n]).unsqueeze(0).expand(B, n, -1).to(self.device)
+        return self.logits(keys).view(B, n, -1).to(self.device)
 
     __call__ = forward
 

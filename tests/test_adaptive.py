@@ -249,6 +249,21 @@ def test_short_match_continuation_is_the_sources():
     assert pol.choose_among(r, 1, 8, [("ngram", 8, "ngram@1")])[0] <= 2
 
 
+def test_round_counted_once_per_record():
+    """A round counts once in the overall record, once in its source's and once in its key's;
+    when the key is the source (a draft model), once there, not twice."""
+    pol = AdaptiveK(8, cost=_flat_cost(0.0))
+    r = _Req(1)
+    pol.begin(r)
+    pol.observe_round(r, 4, 2, "draft")
+    pol.observe_round(r, 4, 4, "ngram", "ngram@3")
+    st = pol.state[r.id]
+    assert set(st) == {None, "draft", "ngram", "ngram@3"}
+    assert st["draft"].reached[0] == pytest.approx(0.92)  # one round, decayed once since
+    assert st["ngram"].reached[0] == st["ngram@3"].reached[0] == 1.0
+    assert st[None].reached[0] == pytest.approx(1.92)
+
+
 def test_draft_catch_up_priced_and_spread_over_remaining_tokens():
     """A draft model that must first prefill 300 prompt tokens is not worth it when a good
     n-gram match is there, nor alone against plain decoding, but is worth starting on a short

@@ -150,6 +150,7 @@ def test_api_speculative_config_matches_plain(smollm2_dir):
     ({"draft": "smollm2-135m", "max_draft_tokens": -1}, "max_draft_tokens=-1"),
     ({"draft": "smollm2-135m", "max_draft_tokens": 33}, "max_draft_tokens=33"),
     ({"draft": "smollm2-135m", "draft_sampling": "sometimes"}, "draft_sampling='sometimes'"),
+    ({"draft": "smollm2-135m", "draft_dtype": "q3"}, "draft_dtype='q3'; allowed: fp32, bf16, native, q4_0"),
     ({"proposer": "magic"}, "proposer='magic'"),
     ({"proposer": "ngram", "ngram_min": 4, "ngram_max": 2}, "ngram_min=4 > ngram_max=2"),
 ])

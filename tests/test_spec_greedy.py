@@ -67,6 +67,44 @@ def test_batched_rows_with_different_prompt_lengths(smollm2, plain_outputs, draf
     engine = _spec_engine(model, tok, draft, 4)
     reqs = engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=40))
     assert [r.output for r in reqs] == plain
+    if draft_kind == "self":  # the draft's KV (ragged prompt prefill, rollbacks) is right per row
+        assert all(r.stats.to_dict()["acceptance_rate"] == 1.0 for r in reqs)
+
+
+def test_draft_prompt_prefilled_with_the_targets(smollm2, plain_outputs):
+    """At a fixed k the draft gets its prompt KV in the prefill (every token but the last), so
+    its first round feeds one token; a request that joins later is prefilled on its own cache
+    row (rows not 0..B-1); no prefill for a request with no room to draft, nor under adaptive k
+    (which prices the catch-up and may never start the draft).  Self-draft: all accepted."""
+    model, tok = smollm2
+    ids, plain = plain_outputs
+    prop = DraftModelProposer(model, tok.vocab_size, 512)
+    engine = Engine(model, tok, prop, num_draft_tokens=4, max_seq_len=512, max_batch=4)
+    catch_ups = []
+    propose = prop.propose
+    prop.propose = lambda reqs, ks: catch_ups.append((propose(reqs, ks))) or catch_ups[-1]
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    engine.reserve(2)
+    a = engine.add_request(ids[0], params)
+    engine.step()
+    assert catch_ups[0].catch_up == 1
+    engine.step()
+    b = engine.add_request(ids[1], params)
+    engine._prefill([b])
+    assert b.row == 1 and prop.cache.lengths[b.row] == len(ids[1]) - 1
+    engine.run()
+    assert [a.output, b.output] == plain[:2]
+    assert a.stats.accepted_tokens == a.stats.draft_tokens > 0
+    assert b.stats.accepted_tokens == b.stats.draft_tokens > 0
+    one = engine.add_request(ids[2], SamplingParams(temperature=0.0, max_tokens=1))
+    engine._prefill([one])
+    assert prop.cache.lengths[one.row] == 0  # one token to emit: nothing to draft
+    engine.run()
+    auto = DraftModelProposer(model, tok.vocab_size, 512)
+    adaptive = Engine(model, tok, auto, num_draft_tokens="auto", max_seq_len=512)
+    r = adaptive.add_request(ids[2], params)
+    adaptive._prefill([r])
+    assert auto.cache.lengths[r.row] == 0
 
 
 def test_plain_batched_equals_alone(smollm2, plain_outputs):

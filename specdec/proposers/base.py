@@ -19,7 +19,7 @@ class Proposal:
     source: list[str] | None = None  # [B] name of the proposer that drafted each row (metrics);
     # None: the proposer's own name for every row
     catch_up: int = 0  # most committed tokens any row fed before drafting (a draft model's
-    # prompt prefill, or its catch-up after n-gram rounds): adaptive k measures such a round
+    # prompt, if not prefilled, or its catch-up after n-gram rounds): adaptive k measures such a round
     # as catch-up cost per token, not as the cost of drafting k
 
 
@@ -49,10 +49,10 @@ class Proposer(Protocol):
     # committed tokens it must feed before drafting. Adaptive k prices each and picks one
     # (a composite then drafts from the one picked: `propose(..., only=names)`).
     #
-    # Optional: `prefill(reqs)`: called with the target's prompt prefill, for requests whose
-    # prompt the proposer will certainly need (a draft model's KV for every committed token
-    # but the last); its time is prompt processing, not decoding.  A composite has none: it
-    # may never start its draft model, and adaptive k prices that catch-up when it does.
+    # Optional: `prefill(reqs)`: called with the target's prompt prefill at a fixed k > 0, for
+    # requests with room to draft (a draft model's KV for every committed token but the last);
+    # its time is prompt processing, not decoding.  Adaptive k does not call it (it prices the
+    # catch-up and may never start the draft model); a composite has none.
 
 
 def peek(proposer, req: "Request", k: int) -> list[tuple]:

@@ -2,8 +2,10 @@
 
 Cache bookkeeping per request (L = committed length at the start of a round):
   - before `propose`, the draft has KV for the first `kv_len` committed tokens; it feeds
-    committed[kv_len:L] (the whole prompt on the first round, then 1 token, or 2 after a fully
-    accepted round: the last draft and the bonus), then its own drafts d_1..d_{k-1};
+    committed[kv_len:L] (1 token, or 2 after a fully accepted round: the last draft and the
+    bonus; the whole prompt on its first round unless `prefill` ran with the target's prompt
+    prefill, as the engine does at a fixed k; after rounds it did not draft, every token
+    committed since), then its own drafts d_1..d_{k-1};
   - it never feeds d_k: if d_k is accepted its KV is computed as catch-up next round;
   - `accept(n)` keeps KV for committed[:L] + d_1..d_min(n, k-1): rollback is arithmetic.
 q is computed with the same transform chain as the target's p (specdec.sampling), on each
@@ -50,7 +52,8 @@ class DraftModelProposer:
 
     def peek(self, req, k: int) -> list[tuple]:
         """[(name, k, key, catch-up)]: it can always draft k, after feeding the committed tokens
-        it has no KV for (the whole prompt on its first round, 1-2 tokens in steady state)."""
+        it has no KV for (the whole prompt on its first round unless prefilled, 1-2 tokens in
+        steady state)."""
         if k <= 0:
             return []
         have = self.cache.lengths[req.row] if req.row < self.cache.batch_size else 0
@@ -154,7 +157,8 @@ class DraftModelProposer:
     def skip(self, req) -> None:
         """A round in which another proposer drafted for this row: our drafts (if any were fed
         during a propose whose results were not used) are not history; keep committed KV only."""
-        self.cache.set_length(req.row, min(self.cache.lengths[req.row], self._L.get(req.row, 0)))
+        kept = self._L.get(req.row, self.cache.lengths[req.row])  # no round yet: prompt KV only
+        self.cache.set_length(req.row, min(self.cache.lengths[req.row], kept))
 
     def accept(self, req, n_accepted: int) -> None:
         """Keep KV for committed[:L] + the accepted drafts that were fed (at most k - 1)."""
