@@ -2,8 +2,10 @@
 lookup, on copy-heavy and on open-ended prompts, greedy, one run, interleaved.
 
 For each prompt every configuration runs back to back (machine noise hits all alike). Decode
-tokens/s exclude prefill (ours: the engine's decode clock; transformers: total minus a measured
-1-token generate on the same prompt). Speedups are per-prompt ratios to our plain decode,
+tokens/s exclude the target's prompt prefill (ours: the engine's decode clock plus, at a fixed
+k, the draft model's prompt prefill, which adaptive k pays inside its first draft round, so
+every configuration pays for its proposer alike; transformers: total minus a measured 1-token
+generate on the same prompt). Speedups are per-prompt ratios to our plain decode,
 median over prompts; transformers' prompt lookup is also given against transformers' plain.
 Every greedy configuration of ours must equal our plain output token for token.
 
@@ -112,7 +114,7 @@ def run_model(key, a):
             plain_out = None
             for name, e in engines.items():
                 r = e.generate([ids], params)[0]
-                tps[name].append(len(r.output) / r.decode_time)
+                tps[name].append(len(r.output) / (r.decode_time + r.draft_prefill_time))
                 stats[name].merge(r.stats)
                 if plain_out is None:
                     plain_out = r.output

@@ -59,8 +59,8 @@ def main():
         for name, eng in engines.items():
             r = eng.generate([ids], params)[0]
             tokens[name] += len(r.output)
-            secs[name] += r.decode_time
-            per[name] = len(r.output) / r.decode_time
+            secs[name] += r.decode_time + r.draft_prefill_time  # the draft's prompt is its cost
+            per[name] = len(r.output) / (r.decode_time + r.draft_prefill_time)
             stats[name].merge(r.stats)
             if name == "plain":
                 plain_out = r.output

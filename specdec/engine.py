@@ -51,6 +51,7 @@ class Request:
     finish_reason: str | None = None
     stats: SpecStats = field(default_factory=SpecStats)
     prefill_time: float = 0.0
+    draft_prefill_time: float = 0.0  # the draft model's prompt prefill, part of prefill_time
     decode_time: float = 0.0
 
     @property
@@ -169,7 +170,10 @@ class Engine:
         if hasattr(self.proposer, "prefill") and not isinstance(self.policy, AdaptiveK):
             drafting = [r for r in todo if self._budget(r, len(todo))[0] > 0]
             if drafting:
+                t1 = time.perf_counter()
                 self.proposer.prefill(drafting)
+                for r in drafting:
+                    r.draft_prefill_time += time.perf_counter() - t1
         dt = time.perf_counter() - t0
         for r, n in zip(todo, ns):
             self.cache.advance(r.row, n)
