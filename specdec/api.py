@@ -55,11 +55,8 @@ def _requantised(state: dict, tied: bool) -> dict:
     has more bits per weight."""
     from specdec.kernels.quant import QuantTensor, requantise
 
-    def streamed(name):
-        return tied or name != "model.embed_tokens.weight"
-
     return {n: requantise(w, "Q4_0") if isinstance(w, QuantTensor) and w.qtype in REQUANTISED
-            and streamed(n) else w for n, w in state.items()}
+            and (tied or n != "model.embed_tokens.weight") else w for n, w in state.items()}
 
 
 def check_draft_compatible(target_tok: Tokenizer, draft_tok: Tokenizer, t_name: str, d_name: str) -> int:

@@ -28,7 +28,8 @@ from specdec import rejection, sampling
 from specdec.adaptive import STEADY_CATCH_UP, AdaptiveK, k_policy
 from specdec.config import DEFAULT_MAX_DRAFT_TOKENS, MAX_DRAFT_TOKENS, SamplingParams
 from specdec.errors import SpecdecError
-from specdec.kv_cache import ragged_block
+from specdec.kv_cache import prefill as kv_prefill
+from specdec.kv_cache import rows_arg
 from specdec.metrics import SpecStats
 from specdec.proposers.base import peek
 from specdec.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -153,17 +154,10 @@ class Engine:
     def _prefill(self, reqs: list[Request]) -> None:
         """Give the target KV for every committed token but the last (one padded forward), and
         a draft model that will draft its prompt's KV likewise (Proposer.prefill)."""
-        todo = [r for r in reqs if len(r.tokens) - 1 > self.cache.lengths[r.row]]
+        t0 = time.perf_counter()
+        todo = kv_prefill(self.model, self.cache, reqs)
         if not todo:
             return
-        dev = self.model.device
-        t0 = time.perf_counter()
-        starts = [self.cache.lengths[r.row] for r in todo]
-        ns = [len(r.tokens) - 1 - s for r, s in zip(todo, starts)]
-        tok, pos = ragged_block([r.tokens[s:s + n] for r, s, n in zip(todo, starts, ns)], starts,
-                                self.cache.capacity)
-        self.model.forward(tok.to(dev), pos.to(dev), self.cache, rows=self._rows_arg(todo),
-                           logits_at=torch.zeros(len(todo), 0, dtype=torch.long, device=dev))
         # A draft model's prompt is prompt processing too, where it will surely be needed: at a
         # fixed k > 0, for requests with room to draft (adaptive k prices it as catch-up and may
         # never start the draft model).
@@ -172,11 +166,11 @@ class Engine:
             if drafting:
                 t1 = time.perf_counter()
                 self.proposer.prefill(drafting)
+                dt_draft = time.perf_counter() - t1
                 for r in drafting:
-                    r.draft_prefill_time += time.perf_counter() - t1
+                    r.draft_prefill_time += dt_draft
         dt = time.perf_counter() - t0
-        for r, n in zip(todo, ns):
-            self.cache.advance(r.row, n)
+        for r in todo:
             r.prefill_time += dt
 
     def _budget(self, r: Request, batch_size: int) -> tuple[int, str | None, str | None]:
@@ -231,7 +225,7 @@ class Engine:
         last = torch.tensor([[r.tokens[-1]] for r in reqs], device=dev)
         feed = torch.cat([last, drafts], dim=1)  # [B, k + 1]
         positions = (L - 1).unsqueeze(1) + torch.arange(k + 1, device=dev)  # [B, k + 1]
-        rows = self._rows_arg(reqs)
+        rows = rows_arg(reqs, dev)
         t1 = time.perf_counter()
         logits = self.model.forward(feed, positions, self.cache, rows=rows)[..., : self.V]
         t_target = time.perf_counter() - t1
@@ -268,13 +262,6 @@ class Engine:
                 self.active.remove(r)
                 self._release(r)
         return events
-
-    def _rows_arg(self, reqs):
-        """None (cache views, no copies) when the batch is exactly cache rows 0..B-1."""
-        rows = [r.row for r in reqs]
-        if rows == list(range(len(rows))):
-            return None
-        return torch.tensor(rows, device=self.model.device)
 
     def _verify(self, reqs, logits, drafts, num_draft, q):
         """Group rows that share sampling params and rng; verify each group in one call."""

@@ -28,6 +28,29 @@ def ragged_block(chunks: list[list[int]], starts: list[int], capacity: int):
     return tok, pos
 
 
+def rows_arg(reqs, device):
+    """A forward's `rows` for these requests: None (cache views, no copies) when the batch is
+    exactly cache rows 0..B-1, else their rows as a tensor."""
+    rows = [r.row for r in reqs]
+    return None if rows == list(range(len(rows))) else torch.tensor(rows, device=device)
+
+
+def prefill(model, cache: "KVCache", reqs) -> list:
+    """Give `cache` KV for every committed token of each request but the last (the next round
+    feeds it), in one padded forward that computes no logits; returns the requests fed."""
+    todo = [r for r in reqs if len(r.tokens) - 1 > cache.lengths[r.row]]
+    if not todo:
+        return []
+    dev = model.device
+    starts = [cache.lengths[r.row] for r in todo]
+    tok, pos = ragged_block([r.tokens[s:-1] for r, s in zip(todo, starts)], starts, cache.capacity)
+    model.forward(tok.to(dev), pos.to(dev), cache, rows=rows_arg(todo, dev),
+                  logits_at=torch.zeros(len(todo), 0, dtype=torch.long, device=dev))
+    for r, s in zip(todo, starts):
+        cache.advance(r.row, len(r.tokens) - 1 - s)
+    return todo
+
+
 class KVCache:
     def __init__(self, n_layers: int, batch_size: int, n_kv_heads: int, head_dim: int,
                  max_seq_len: int, headroom: int = 33, dtype=torch.float32, device="cpu"):

@@ -19,7 +19,8 @@ import time
 import torch
 
 from specdec import sampling
-from specdec.kv_cache import ragged_block
+from specdec.kv_cache import prefill as kv_prefill
+from specdec.kv_cache import ragged_block, rows_arg
 from specdec.proposers.base import Proposal
 
 
@@ -63,20 +64,7 @@ class DraftModelProposer:
     def prefill(self, reqs) -> None:
         """KV for every committed token but the last (what the target's prefill gives the
         target), no logits: the first round then feeds one token, like any other."""
-        todo = [r for r in reqs if len(r.tokens) - 1 > self.cache.lengths[r.row]]
-        if not todo:
-            return
-        dev = self.model.device
-        starts = [self.cache.lengths[r.row] for r in todo]
-        ns = [len(r.tokens) - 1 - s for r, s in zip(todo, starts)]
-        tok, pos = ragged_block([r.tokens[s:s + n] for r, s, n in zip(todo, starts, ns)], starts,
-                                self.cache.capacity)
-        rows = [r.row for r in todo]
-        rows = None if rows == list(range(len(todo))) else torch.tensor(rows, device=dev)
-        self.model.forward(tok.to(dev), pos.to(dev), self.cache, rows=rows,
-                           logits_at=torch.zeros(len(todo), 0, dtype=torch.long, device=dev))
-        for r, s, n in zip(todo, starts, ns):
-            self.cache.set_length(r.row, s + n)
+        kv_prefill(self.model, self.cache, reqs)
 
     def _forward(self, tokens, positions, rows, logits_at=None):
         t0 = time.perf_counter()
@@ -89,8 +77,7 @@ class DraftModelProposer:
     def propose(self, reqs, ks: list[int]) -> Proposal:
         B, k = len(reqs), max(ks)
         dev = self.model.device
-        rows = [r.row for r in reqs]
-        rows = None if rows == list(range(B)) else torch.tensor(rows, device=dev)
+        rows = rows_arg(reqs, dev)
         drafts = torch.zeros(B, k, dtype=torch.long, device=dev)
         q_all = torch.zeros(B, k, self.V, device=dev) if self._needs_q(reqs) else None
         # Catch-up: feed committed tokens this draft has no KV for (ragged: pad at the end).
