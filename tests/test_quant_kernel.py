@@ -5,11 +5,15 @@ What is checked, and why the tolerances are right:
   for bit, for every supported block type, on random blocks (every code and scale bit pattern;
   the fp16 scale fields are set to finite values) and on real rows of SmolLM2-135M.
 * The kernel computes exactly "GGUF weights x int8 activation blocks": against a float64
-  reference built from the same integers (x^ = dx * xq from `quantise_activations`, w = ws * q +
-  wm with the format's fp32 scales), the only differences are the kernel's own fp32 roundings:
-  per 16/32-element sub-block one product and two FMAs per output, so with nsub sub-blocks
+  reference built from the same integers (x^ = dx * xq from `quantise_activations` with the
+  format's activation block: 32, or 256 for the K-quants; w = ws * q + wm with the format's
+  scales, exact in fp32: an fp16 times a <= 8-bit integer), the only differences are the
+  kernel's own fp32 roundings: per 32-element block one product and two FMAs per output; per
+  256-element K-quant record at most two int->float conversions, two products and two FMAs
+  (the integer sums are exact).  So with nsub 16/32-element sub-blocks (nsub >= 3 records)
   |y - y64| <= (3 nsub + 2) u sum_k |x^_k| (|ws q_k| + |wm|)  (u = 2^-24, gamma bound).  A
-  mis-decoded bit is off by at least |ws * x^| ~ 1e-2 relative, orders above this.
+  mis-decoded bit or mis-paired scale is off by at least |ws * x^| ~ 1e-2 relative, orders
+  above this.
 * Against F.linear on the dequantised fp32 weight with the *unquantised* x, the difference is
   the activation rounding, |x - x^| <= dx / 2 per element, so
   |y - F.linear(x, W)| <= sum_b (dx_b / 2) sum_{k in b} |W_k| + the fp32 term above.
@@ -90,7 +94,7 @@ def exact_terms(qt: Q.QuantTensor) -> tuple[torch.Tensor, torch.Tensor, int]:
 
 def check_against_exact(y: torch.Tensor, x: torch.Tensor, qt: Q.QuantTensor, bias=None) -> None:
     w, a, nsub = exact_terms(qt)
-    xh = Q.quantise_activations(x).double()
+    xh = Q.quantise_activations(x, Q.activation_block(qt.qtype)).double()
     y64 = xh @ w.T + (0 if bias is None else bias.double())
     tol = (3 * nsub + 2) * U * (xh.abs() @ a.T + (0 if bias is None else bias.double().abs()))
     err = (y.double() - y64).abs()
@@ -146,8 +150,9 @@ def test_kernel_exact_math_and_batch_invariance(qtype, n, blocks, m, bias, seed)
     check_against_exact(y, x, qt, b)
     # the model change native makes: activation rounding, bounded per block
     W = qt.dequantize().double()
-    dx = x.abs().view(m, -1, 32).amax(-1) / 127  # [m, K/32]
-    act = (dx.double().repeat_interleave(32, 1) / 2) @ W.abs().T
+    blk = Q.activation_block(qtype)
+    dx = x.abs().view(m, -1, blk).amax(-1) / 127  # [m, K/blk]
+    act = (dx.double().repeat_interleave(blk, 1) / 2) @ W.abs().T
     _, a, nsub = exact_terms(qt)
     ref = x.double() @ W.T + (0 if b is None else b.double())
     tol = act * (1 + 1e-6) + (3 * nsub + 2 + k) * U * (x.double().abs() @ a.T + 1)
@@ -213,8 +218,9 @@ def test_fused_segments_many_rows_and_fallback(qtype, monkeypatch):
     monkeypatch.setenv("SPECDEC_KERNEL", "torch")
     yf = K.linear(x, qw, b)
     _, a, _ = zip(*(exact_terms(p) for p in parts))
-    xh = Q.quantise_activations(x).double()
-    tol = (k + 8) * U * (xh.abs() @ torch.cat(a).T + b.double().abs())
+    xa = torch.cat([Q.quantise_activations(x, Q.activation_block(p.qtype)).double().abs() @ ap.T
+                    for p, ap in zip(parts, a)], 1)  # each row block multiplies its own x^
+    tol = (k + 8) * U * (xa + b.double().abs())
     assert ((yf.double() - y.double()).abs() <= 2 * tol).all()
 
 
@@ -226,8 +232,10 @@ def test_fallback_without_kernel_matches(monkeypatch):
     assert qw.packed is None and torch.equal(qw.dense, qt.dequantize())
     x = torch.randn(3, 512)
     y = K.linear(x, qw)
-    xh = Q.quantise_activations(x)
+    xh = Q.quantise_activations(x, 256)
     assert torch.allclose(y, F.linear(xh, qt.dequantize()), rtol=0, atol=1e-4)
+    assert not torch.allclose(y, F.linear(Q.quantise_activations(x, 32), qt.dequantize()),
+                              rtol=0, atol=1e-4)  # the K-quants' activation block is 256
 
 
 def test_quantise_activations_matches_kernel_rounding():
@@ -267,6 +275,55 @@ def test_kernel_activation_quantiser_matches_torch_random():
         if trial % 4 == 0:
             x[:, 32:64] = 0
         assert torch.equal(K.linear(x, qw), Q.quantise_activations(x)), trial
+
+
+def identity_kquant(qtype: str, k: int) -> Q.QuantTensor:
+    """A K-quant [k, k] identity built from raw GGUF bytes: Q4_K with d = 1, sc = 1, mins 0;
+    Q6_K with d = 1, sc = 1 and codes 32 (zero) except 33 on the diagonal, so the kernel's
+    -32 * sum(sc * S16) term must cancel exactly."""
+    f = Q.QUANT_TYPES[qtype]
+    raw = np.zeros((k, k // 256, f.tsize), np.uint8)
+    one = np.array([1.0], np.float16).view(np.uint8)
+    for i in range(k):
+        b, e = divmod(i, 256)
+        if qtype == "Q4_K":
+            raw[i, :, 0:2] = one
+            raw[i, :, 4:8], raw[i, :, 12:16] = 1, 1  # 6-bit sc = 1 for all 8 sub-blocks, mins 0
+            raw[i, b, 16 + (e // 64) * 32 + e % 32] = 1 << (4 * ((e % 64) // 32))
+        else:
+            raw[i, :, 128:192] = 0xAA  # high 2 bits of every code: 2 -> code 32
+            raw[i, :, 192:208] = 1
+            raw[i, :, 208:210] = one
+            raw[i, b, (e // 128) * 64 + e % 64] = 1 << (4 * ((e % 128) // 64))
+    qt = Q.QuantTensor(qtype, raw.reshape(k, -1), (k, k))
+    assert torch.equal(qt.dequantize(), torch.eye(k))
+    return qt
+
+
+@pytest.mark.skipif(not have_kernel(), reason="no C++ kernel on this CPU")
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_kernel_256_block_quantiser_matches_torch(qtype):
+    """The K-quant path (activation blocks of 256, scales folded into integer sums, the int16
+    pairs of 16- and 32-element sums) on identity weights returns x^ itself, bit for bit, as
+    `quantise_activations(x, 256)` defines it; a 32-element quantiser would not."""
+    k = 512
+    qw = Q.prepare_quant([identity_kquant(qtype, k)])
+    g = torch.Generator().manual_seed(1)
+    differs = 0
+    for trial in range(30):
+        m = 1 + trial % 6
+        scale = torch.rand(m, k // 32, 1, generator=g).expand(m, k // 32, 32).reshape(m, k)
+        x = torch.randn(m, k, generator=g) * scale * 10.0 ** (trial % 5 - 2)
+        if trial % 3 == 0:
+            x = (x * 4).round() / 4
+        if trial % 4 == 0:
+            x[:, 256:] = 0
+        y = K.linear(x, qw)
+        assert torch.equal(y, Q.quantise_activations(x, 256)), trial
+        differs += not torch.equal(y, Q.quantise_activations(x, 32))
+        for isa in isas():
+            assert torch.equal(Q._ext.qlinear(x, qw.packed, [Q.QUANT_TYPES[qtype].fid], [k], None, 2, isa), y)
+    assert differs >= 25, differs  # (a few trials round to all zeros at the smallest scale)
 
 
 def test_bad_inputs():

@@ -10,14 +10,25 @@
 // Math (exact integers, then fp32): per weight sub-block b (16 or 32 k) the
 // GGUF formats all dequantise as w = ws[n,b] * q + wm[n,b] with q a small
 // unsigned (signed for Q8_0) integer; x[m, k] ~ dx[m, B] * xq[m, k] with
-// xq in [-127, 127] and B the 32-block holding k.  Then
-//   y[m, n] = sum_b  ws * (dx * I) + wm * (dx * S),   I = sum q * xq,  S = sum xq
-// I and S are exact int32 sums; the float steps per sub-block are, in this
-// order: t = float(I) * dx; acc = fma(ws, t, acc); acc = fma(wm, dxS, acc)
-// (dxS = dx * float(S), computed once per row and block).  Each output's
-// chain runs over b in order from 0.0f, then "+ bias"; it depends only on
-// row m's own data, never on M, the row grouping or the thread split: row m
-// of an M-row call is bit-identical to the row computed alone.
+// xq in [-127, 127] and B the activation block holding k.
+//   32-k formats (Q8_0, Q4_0, Q4_1, Q5_0): B = 32 = the weight block, and
+//     y[m, n] = sum_b  ws * (dx * I) + wm * (dx * S),   I = sum q * xq,  S = sum xq
+//   with the float steps per block, in this order: t = float(I) * dx;
+//   acc = fma(ws, t, acc); acc = fma(wm, dxS, acc) (dxS = dx * float(S), once per row and block).
+//   K-quants (Q4_K, Q6_K): B = 256 = the super-block (llama.cpp's Q8_K), so one dx serves
+//   the record's 8 (Q4_K) or 16 (Q6_K) sub-blocks, whose scales are small integers:
+//   ws = d * sc, wm = -dmin * mn (Q4_K) or -32 * d * sc (Q6_K), with d, dmin fp16 per
+//   super-block.  The sub-block scales fold into exact int32 sums,
+//     Q4_K: C = sum_b sc_b * I_b,  Cm = sum_b mn_b * S_b
+//     Q6_K: C = sum_b sc_b * I_b - 32 * sum_b sc_b * S_b
+//   and the float steps per record are t = float(C) * dx; acc = fma(d, t, acc)
+//   (Q4_K then tm = float(Cm) * dx; acc = fma(-dmin, tm, acc)): 2-4 float operations
+//   per 256 k instead of 4 per 16 or 32 k.  (Measured: the per-sub-block float steps
+//   were ~17% of a Q4_K M = 1 call and ~30% of a Q6_K M = 5 call.)
+// Each output's chain runs over blocks (records) in order from 0.0f, then
+// "+ bias"; it depends only on row m's own data, never on M, the row grouping
+// or the thread split: row m of an M-row call is bit-identical to the row
+// computed alone.
 //
 // Layout (built by quant.py): per format, outputs are padded to panels of 16,
 // and each panel is a sequence of records, one per RK k (RK = 32, or 256 for
@@ -143,14 +154,69 @@ inline __m256i decode_half(const uint8_t* lo, const uint8_t* hi, int s) {
   }
 }
 
-// Quantised activations: xq [M, K] int8, s32, dx, dxs32 [M, K/32], dxs16 [M, K/16].
+// Quantised activations, in 32-blocks for the 32-k formats and 256-blocks for the K-quants
+// (a call quantises x once per block size its segments need).
 struct Act {
+  int64_t K;
+  // 32-blocks: xq [M, K]; s32, dx, dxs32 [M, K/32] (s32 = sum of xq: the AVX-512 Q8_0 correction)
   const int8_t* xq;
-  const int32_t* s32;  // [M, K/32] sum of xq per block (the AVX-512 path's Q8_0 correction)
+  const int32_t* s32;
   const float* dx;
   const float* dxs32;
-  const float* dxs16;
-  int64_t K;
+  // 256-blocks: xq8 [M, K], dx8 [M, K/256]; int16 pairs of block sums (low half first):
+  // sp16 [M, K/32] = (sum over 16 k, sum over the next 16), sp32 [M, K/64] likewise over 32 k.
+  const int8_t* xq8;
+  const float* dx8;
+  const int32_t* sp16;
+  const int32_t* sp32;
+};
+
+template <int F>
+constexpr bool kquant() { return F == Q4_K || F == Q6_K; }
+
+inline __m256i pair16(__m256i lo, __m256i hi) {  // int32 lanes -> (int16 lo, int16 hi)
+  return _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(hi, 16));
+}
+
+// A record's scales as the row loops use them.  32-k formats: fp32 ws, wm per sub-block.
+// K-quants: ws = d, wm = -dmin (Q4_K) per output; sc = the sub-block scales as int32
+// multipliers of the int32 sub-block sums (AVX2, W = false: the int16 pair (sc, sc), for
+// madd over an int16 pair of partial sums; AVX-512: plain int32, for mullo); mp = int16
+// pairs of adjacent sub-blocks' mins (Q4_K) or scales (Q6_K) for the S-sum term.
+template <int F, bool W>
+struct Rec {
+  static constexpr int nsub = Traits<F>::rk / Traits<F>::sb;
+  static constexpr bool kq = kquant<F>();
+  alignas(64) float ws[kq ? NR : nsub * NR];
+  alignas(64) float wm[kq ? NR : nsub * NR];
+  alignas(64) int32_t sc[kq ? nsub * NR : 1];
+  alignas(64) int32_t mp[kq ? nsub / 2 * NR : 1];
+
+  void load(const uint8_t* s) {
+    if constexpr (!kq) {
+      scales<F>(s, ws, wm);
+    } else {
+      for (int h = 0; h < 2; ++h) {
+        const int o = 8 * h;
+        _mm256_store_ps(ws + o, h2f(s + 2 * o));
+        // 8 bytes of sub-block j's field for outputs o..o+7 -> int32 lanes
+        auto field = [&](int off, int j) {
+          const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + off + j * NR + o));
+          return F == Q4_K ? _mm256_cvtepu8_epi32(b) : _mm256_cvtepi8_epi32(b);
+        };
+        constexpr int sc_off = F == Q4_K ? 64 : 32, mp_off = F == Q4_K ? 192 : 32;
+        if constexpr (F == Q4_K)
+          _mm256_store_ps(wm + o, _mm256_xor_ps(h2f(s + 32 + 2 * o), _mm256_set1_ps(-0.0f)));
+        for (int j = 0; j < nsub; ++j) {
+          const __m256i v = field(sc_off, j);
+          _mm256_store_si256(reinterpret_cast<__m256i*>(sc + j * NR + o), W ? v : pair16(v, v));
+        }
+        for (int i = 0; i < nsub / 2; ++i)
+          _mm256_store_si256(reinterpret_cast<__m256i*>(mp + i * NR + o),
+                             pair16(field(mp_off, 2 * i), field(mp_off, 2 * i + 1)));
+      }
+    }
+  }
 };
 
 // k-steps whose maddubs results can be summed in int16 before widening, exactly: one
@@ -166,41 +232,49 @@ constexpr int i16_steps() {
 }
 
 // One record, R <= 5 rows.  The 16 outputs are two halves of 8 (one ymm each), run
-// together (each decoded weight and each broadcast x serve both halves) or, for Q6_K, one
-// after the other: its 16-k sub-blocks and 2-k-step int16 runs keep int16, int32 and fp32
-// sums live at once, which for both halves and R = 5 spills; one half fits the 16 ymm
+// together (each decoded weight and each broadcast x serve both halves) or, for Q6_K with
+// R > 2, one after the other: its 16-k sub-blocks and 2-k-step int16 runs keep int16 and
+// int32 sums live at once, which for both halves and R = 5 spills; one half fits the 16 ymm
 // registers.  (Measured on Zen 3, M = 5: split is ~10% faster for Q6_K, ~10% slower for
-// Q4_K and Q5_0.)
-// The per-lane fp32 steps per sub-block are, in order: t = float(I) * dx;
-// acc = fma(ws, t, acc); acc = fma(wm, dxS, acc) -- the AVX-512 path's, so the same bits.
+// Q4_K and Q5_0; at M = 1 joint halves are ~17% faster for Q6_K.)
+// The per-lane fp32 steps are the AVX-512 path's (see the header), so the same bits.
 template <int F, int R>
 struct Avx2Rows {
+  static constexpr bool wide = false;
   static constexpr int G = i16_steps<F>(), NS = Traits<F>::sb / 4;
   static void run(const uint8_t* lo, const uint8_t* hi, const Act& a, int64_t m0, int64_t k0,
-                  const float* ws, const float* wm, float* acc) {
-    if constexpr (F != Q6_K) {
-      halves<0, 2>(lo, hi, a, m0, k0, ws, wm, acc);
+                  const Rec<F, false>& rs, float* acc) {
+    if constexpr (F != Q6_K || R <= 2) {
+      halves<0, 2>(lo, hi, a, m0, k0, rs, acc);
     } else {
-      halves<0, 1>(lo, hi, a, m0, k0, ws, wm, acc);
-      halves<1, 1>(lo, hi, a, m0, k0, ws, wm, acc);
+      halves<0, 1>(lo, hi, a, m0, k0, rs, acc);
+      halves<1, 1>(lo, hi, a, m0, k0, rs, acc);
     }
   }
 
   template <int H0, int NH>
   static inline void halves(const uint8_t* lo, const uint8_t* hi, const Act& a, int64_t m0,
-                            int64_t k0, const float* ws, const float* wm, float* acc) {
+                            int64_t k0, const Rec<F, false>& rs, float* acc) {
     constexpr int sb = Traits<F>::sb, ns = NS, nsub = Traits<F>::rk / sb;
+    constexpr bool kq = kquant<F>();
     static_assert(ns % G == 0, "k-steps per sub-block must be a multiple of the int16 run");
-    const int64_t n32 = a.K / 32, n16 = a.K / 16, K = a.K;
+    const int64_t n32 = a.K / 32, K = a.K;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 f[R][NH];
+    __m256i c[R][NH];  // K-quants: the record's sum_b sc_b * I_b
+    if constexpr (!kq) {
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
-      for (int h = 0; h < NH; ++h) f[r][h] = _mm256_loadu_ps(acc + (m0 + r) * NR + 8 * (H0 + h));
+      for (int r = 0; r < R; ++r)
+        for (int h = 0; h < NH; ++h) f[r][h] = _mm256_loadu_ps(acc + (m0 + r) * NR + 8 * (H0 + h));
+    }
     for (int j = 0; j < nsub; ++j) {
       const int64_t kb = k0 + j * sb;          // this sub-block's first k
-      const int8_t* x = a.xq + m0 * K + kb;
-      __m256i c[R][NH];
+      const int8_t* x = (kq ? a.xq8 : a.xq) + m0 * K + kb;
+      // int16 -> int32 widening multiplier: 1, or (K-quants) the sub-block scale
+      __m256i mul[NH];
+      for (int h = 0; h < NH; ++h)
+        mul[h] = kq ? _mm256_load_si256(reinterpret_cast<const __m256i*>(rs.sc + j * NR + 8 * (H0 + h))) : ones;
+      __m256i cj[R][NH];
 #pragma GCC unroll 8
       for (int t0 = 0; t0 < ns; t0 += G) {
         __m256i s[R][NH];  // int16 partial sums over G k-steps (exact, see i16_steps)
@@ -231,27 +305,57 @@ struct Avx2Rows {
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r)
           for (int h = 0; h < NH; ++h) {
-            const __m256i w32 = _mm256_madd_epi16(s[r][h], ones);
-            c[r][h] = t0 == 0 ? w32 : _mm256_add_epi32(c[r][h], w32);
+            // |s| <= 32767, |sc| <= 128: each product pair fits int32 with room to spare
+            const __m256i w32 = _mm256_madd_epi16(s[r][h], mul[h]);
+            cj[r][h] = t0 == 0 ? w32 : _mm256_add_epi32(cj[r][h], w32);
           }
       }
+      if constexpr (kq) {
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const int64_t m = m0 + r;
-        const __m256 dx = _mm256_set1_ps(a.dx[m * n32 + kb / 32]);
-        for (int h = 0; h < NH; ++h) {
-          const int o = j * NR + 8 * (H0 + h);
-          f[r][h] = _mm256_fmadd_ps(_mm256_loadu_ps(ws + o), _mm256_mul_ps(_mm256_cvtepi32_ps(c[r][h]), dx), f[r][h]);
-          if constexpr (Traits<F>::has_m)
-            f[r][h] = _mm256_fmadd_ps(_mm256_loadu_ps(wm + o),
-                                      _mm256_set1_ps(sb == 32 ? a.dxs32[m * n32 + kb / 32]
-                                                              : a.dxs16[m * n16 + kb / 16]), f[r][h]);
+        for (int r = 0; r < R; ++r)
+          for (int h = 0; h < NH; ++h) c[r][h] = j == 0 ? cj[r][h] : _mm256_add_epi32(c[r][h], cj[r][h]);
+      } else {
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const int64_t m = m0 + r;
+          const __m256 dx = _mm256_set1_ps(a.dx[m * n32 + kb / 32]);
+          for (int h = 0; h < NH; ++h) {
+            const int o = j * NR + 8 * (H0 + h);
+            f[r][h] = _mm256_fmadd_ps(_mm256_load_ps(rs.ws + o), _mm256_mul_ps(_mm256_cvtepi32_ps(cj[r][h]), dx), f[r][h]);
+            if constexpr (Traits<F>::has_m)
+              f[r][h] = _mm256_fmadd_ps(_mm256_load_ps(rs.wm + o), _mm256_set1_ps(a.dxs32[m * n32 + kb / 32]), f[r][h]);
+          }
         }
       }
     }
+    if constexpr (kq) {
+      constexpr int np = nsub / 2;  // int16 pairs of S sums per record
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
-      for (int h = 0; h < NH; ++h) _mm256_storeu_ps(acc + (m0 + r) * NR + 8 * (H0 + h), f[r][h]);
+      for (int r = 0; r < R; ++r) {
+        const int64_t m = m0 + r;
+        const __m256 dx = _mm256_set1_ps(a.dx8[m * (K / 256) + k0 / 256]);
+        const int32_t* sp = F == Q4_K ? a.sp32 + m * (K / 64) + k0 / 64 : a.sp16 + m * n32 + k0 / 32;
+        for (int h = 0; h < NH; ++h) {
+          const int o = 8 * (H0 + h);
+          __m256i cm = _mm256_setzero_si256();
+          for (int i = 0; i < np; ++i)
+            cm = _mm256_add_epi32(cm, _mm256_madd_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(rs.mp + i * NR + o)),
+                                                        _mm256_set1_epi32(sp[i])));
+          __m256i ci = c[r][h];
+          if constexpr (F == Q6_K) ci = _mm256_sub_epi32(ci, _mm256_slli_epi32(cm, 5));
+          float* out = acc + m * NR + o;
+          __m256 fv = _mm256_fmadd_ps(_mm256_load_ps(rs.ws + o), _mm256_mul_ps(_mm256_cvtepi32_ps(ci), dx),
+                                      _mm256_loadu_ps(out));
+          if constexpr (F == Q4_K)
+            fv = _mm256_fmadd_ps(_mm256_load_ps(rs.wm + o), _mm256_mul_ps(_mm256_cvtepi32_ps(cm), dx), fv);
+          _mm256_storeu_ps(out, fv);
+        }
+      }
+    } else {
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+        for (int h = 0; h < NH; ++h) _mm256_storeu_ps(acc + (m0 + r) * NR + 8 * (H0 + h), f[r][h]);
+    }
   }
 };
 
@@ -289,41 +393,69 @@ inline __m512i decode(const uint8_t* lo, const uint8_t* hi, int s) {
 
 template <int F, int R>
 struct Rows {  // one record, R <= 8 rows
+  static constexpr bool wide = true;
   static void run(const uint8_t* lo, const uint8_t* hi, const Act& a, int64_t m0, int64_t k0,
-                  const float* ws, const float* wm, float* acc) {
+                  const Rec<F, true>& rs, float* acc) {
     constexpr int sb = Traits<F>::sb, ns = sb / 4, nsub = Traits<F>::rk / sb;
-    const int64_t n32 = a.K / 32, n16 = a.K / 16;
+    constexpr bool kq = kquant<F>();
+    const int64_t K = a.K, n32 = K / 32;
     __m512 f[R];  // the rows' running sums stay in registers for the whole record
+    __m512i c[R];  // K-quants: the record's sum_b sc_b * I_b
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) f[r] = _mm512_loadu_ps(acc + (m0 + r) * NR);
     for (int j = 0; j < nsub; ++j) {
       const int64_t kb = k0 + j * sb;
-      __m512i c[R];
+      __m512i cj[R];
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) c[r] = _mm512_setzero_si512();
-      const int8_t* x = a.xq + m0 * a.K + kb;
+      for (int r = 0; r < R; ++r) cj[r] = _mm512_setzero_si512();
+      const int8_t* x = (kq ? a.xq8 : a.xq) + m0 * K + kb;
 #pragma GCC unroll 8
       for (int t = 0; t < ns; ++t) {
         const __m512i w = decode<F>(lo, hi, j * ns + t);
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
           int32_t x4;
-          std::memcpy(&x4, x + r * a.K + 4 * t, 4);
-          c[r] = _mm512_dpbusd_epi32(c[r], w, _mm512_set1_epi32(x4));
+          std::memcpy(&x4, x + r * K + 4 * t, 4);
+          cj[r] = _mm512_dpbusd_epi32(cj[r], w, _mm512_set1_epi32(x4));
         }
       }
-      // The fp32 operations per lane, in the AVX2 path's order (see Avx2Rows).
-      const __m512 wsv = _mm512_loadu_ps(ws + j * NR), wmv = _mm512_loadu_ps(wm + j * NR);
+      if constexpr (kq) {
+        const __m512i scv = _mm512_load_si512(rs.sc + j * NR);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m512i p = _mm512_mullo_epi32(cj[r], scv);  // exact: the AVX2 path's madd sums
+          c[r] = j == 0 ? p : _mm512_add_epi32(c[r], p);
+        }
+      } else {
+        // The fp32 operations per lane, in the AVX2 path's order (see Avx2Rows).
+        const __m512 wsv = _mm512_load_ps(rs.ws + j * NR), wmv = _mm512_load_ps(rs.wm + j * NR);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const int64_t m = m0 + r;
+          if constexpr (F == Q8_0)
+            cj[r] = _mm512_sub_epi32(cj[r], _mm512_set1_epi32(128 * a.s32[m * n32 + kb / 32]));
+          const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(cj[r]), _mm512_set1_ps(a.dx[m * n32 + kb / 32]));
+          f[r] = _mm512_fmadd_ps(wsv, t, f[r]);
+          if constexpr (Traits<F>::has_m)
+            f[r] = _mm512_fmadd_ps(wmv, _mm512_set1_ps(a.dxs32[m * n32 + kb / 32]), f[r]);
+        }
+      }
+    }
+    if constexpr (kq) {
+      constexpr int np = nsub / 2;
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const int64_t m = m0 + r;
-        if constexpr (F == Q8_0)
-          c[r] = _mm512_sub_epi32(c[r], _mm512_set1_epi32(128 * a.s32[m * n32 + kb / 32]));
-        const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(c[r]), _mm512_set1_ps(a.dx[m * n32 + kb / 32]));
-        f[r] = _mm512_fmadd_ps(wsv, t, f[r]);
-        if constexpr (Traits<F>::has_m)
-          f[r] = _mm512_fmadd_ps(wmv, _mm512_set1_ps(sb == 32 ? a.dxs32[m * n32 + kb / 32]
-                                                                : a.dxs16[m * n16 + kb / 16]), f[r]);
+        const __m512 dx = _mm512_set1_ps(a.dx8[m * (K / 256) + k0 / 256]);
+        const int32_t* sp = F == Q4_K ? a.sp32 + m * (K / 64) + k0 / 64 : a.sp16 + m * n32 + k0 / 32;
+        __m512i cm = _mm512_setzero_si512();
+        for (int i = 0; i < np; ++i)
+          cm = _mm512_add_epi32(cm, _mm512_madd_epi16(_mm512_load_si512(rs.mp + i * NR), _mm512_set1_epi32(sp[i])));
+        __m512i ci = c[r];
+        if constexpr (F == Q6_K) ci = _mm512_sub_epi32(ci, _mm512_slli_epi32(cm, 5));
+        f[r] = _mm512_fmadd_ps(_mm512_load_ps(rs.ws), _mm512_mul_ps(_mm512_cvtepi32_ps(ci), dx), f[r]);
+        if constexpr (F == Q4_K)
+          f[r] = _mm512_fmadd_ps(_mm512_load_ps(rs.wm), _mm512_mul_ps(_mm512_cvtepi32_ps(cm), dx), f[r]);
       }
     }
 #pragma GCC unroll 8
@@ -339,16 +471,16 @@ struct Rows {  // one record, R <= 8 rows
 // Rows: the ISA's record routine for groups of <= MR rows.
 template <int F, template <int, int> class Rows, int MR>
 void panel(const uint8_t* p, int64_t nrec, const Act& a, int64_t M, float* acc) {
-  constexpr int rb = rec_bytes<F>(), nsub = Traits<F>::rk / Traits<F>::sb;
+  constexpr int rb = rec_bytes<F>();
   std::memset(acc, 0, sizeof(float) * M * NR);
-  alignas(32) float ws[nsub * NR], wm[nsub * NR];
+  Rec<F, Rows<F, 1>::wide> rs;
   const int64_t ng = (M + MR - 1) / MR;
   for (int64_t rec = 0; rec < nrec; ++rec) {
     const uint8_t* s = p + rec * rb;
     // One sequential stream per thread; fetch 8 KiB ahead (past the end is harmless).
     for (int off = 0; off < rb; off += 64)
       _mm_prefetch(reinterpret_cast<const char*>(s + 8192 + off), _MM_HINT_T0);
-    scales<F>(s, ws, wm);
+    rs.load(s);
     const uint8_t* lo = s + Traits<F>::sbytes;
     const uint8_t* hi = lo + lo_bytes<F>();
     const int64_t k0 = rec * Traits<F>::rk;
@@ -357,14 +489,14 @@ void panel(const uint8_t* p, int64_t nrec, const Act& a, int64_t M, float* acc) 
     for (int64_t g = 0; g < ng; ++g) {
       const int64_t m0 = g * M / ng, r = (g + 1) * M / ng - m0;
       switch (r) {
-        case 1: Rows<F, 1>::run(lo, hi, a, m0, k0, ws, wm, acc); break;
-        case 2: Rows<F, 2>::run(lo, hi, a, m0, k0, ws, wm, acc); break;
-        case 3: Rows<F, 3>::run(lo, hi, a, m0, k0, ws, wm, acc); break;
-        case 4: Rows<F, 4>::run(lo, hi, a, m0, k0, ws, wm, acc); break;
-        case 5: Rows<F, 5>::run(lo, hi, a, m0, k0, ws, wm, acc); break;
-        case 6: Rows<F, MR >= 6 ? 6 : 1>::run(lo, hi, a, m0, k0, ws, wm, acc); break;
-        case 7: Rows<F, MR >= 7 ? 7 : 1>::run(lo, hi, a, m0, k0, ws, wm, acc); break;
-        default: Rows<F, MR >= 8 ? 8 : 1>::run(lo, hi, a, m0, k0, ws, wm, acc); break;
+        case 1: Rows<F, 1>::run(lo, hi, a, m0, k0, rs, acc); break;
+        case 2: Rows<F, 2>::run(lo, hi, a, m0, k0, rs, acc); break;
+        case 3: Rows<F, 3>::run(lo, hi, a, m0, k0, rs, acc); break;
+        case 4: Rows<F, 4>::run(lo, hi, a, m0, k0, rs, acc); break;
+        case 5: Rows<F, 5>::run(lo, hi, a, m0, k0, rs, acc); break;
+        case 6: Rows<F, MR >= 6 ? 6 : 1>::run(lo, hi, a, m0, k0, rs, acc); break;
+        case 7: Rows<F, MR >= 7 ? 7 : 1>::run(lo, hi, a, m0, k0, rs, acc); break;
+        default: Rows<F, MR >= 8 ? 8 : 1>::run(lo, hi, a, m0, k0, rs, acc); break;
       }
     }
   }
@@ -413,44 +545,56 @@ int64_t record_bytes(int64_t fmt) {
 
 int64_t record_k(int64_t fmt) { return fmt == Q4_K || fmt == Q6_K ? 256 : 32; }
 
-// x [M, K] fp32 -> int8 blocks of 32: d = amax / 127, xq = round_half_even(x * (127 / amax)).
+// x [M, K] fp32 -> int8 blocks of B (32 or 256): d = amax / 127, xq = round_half_even(x * (127 / amax)).
 // quant.py's torch fallback does the same fp32 operations (same bits): max is exact in any
 // order, and cvtps_epi32 rounds in the current mode (nearest-even), as nearbyint does.
-void quantise_rows(const float* x, int64_t M, int64_t K, int8_t* xq, int32_t* s32, float* dx,
-                   float* dxs32, float* dxs16) {
+// B = 32 fills s32, dx, dxs32 [M, K/32]; B = 256 fills dx [M, K/256], sp16 [M, K/32], sp32 [M, K/64].
+template <int B>
+void quantise_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, int32_t* s32,
+                   float* dxs32, int32_t* sp16, int32_t* sp32) {
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo packs' lane interleave
+  auto pair = [](int32_t lo, int32_t hi) {
+    return static_cast<int32_t>((static_cast<uint32_t>(lo) & 0xFFFFu) | (static_cast<uint32_t>(hi) << 16));
+  };
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < K / 32; ++b) {
-      const float* v = x + m * K + b * 32;
-      __m256 f[4];
-      for (int i = 0; i < 4; ++i) f[i] = _mm256_loadu_ps(v + 8 * i);
-      __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(f[0], absmask), _mm256_and_ps(f[1], absmask)),
-                                _mm256_max_ps(_mm256_and_ps(f[2], absmask), _mm256_and_ps(f[3], absmask)));
+    for (int64_t b = 0; b < K / B; ++b) {
+      const float* v = x + m * K + b * B;
+      __m256 mx = _mm256_setzero_ps();
+      for (int i = 0; i < B; i += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(v + i), absmask));
       __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
       m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
       m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
       const float amax = _mm_cvtss_f32(m4);
       const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
       const __m256 idv = _mm256_set1_ps(id);
-      __m256i q[4];
-      for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(f[i], idv));
-      const __m256i bytes = _mm256_permutevar8x32_epi32(
-          _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + m * K + b * 32), bytes);
-      int s[2];
-      for (int h = 0; h < 2; ++h) {
-        const __m256i t = _mm256_add_epi32(q[2 * h], q[2 * h + 1]);
-        __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
-        u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0x4E));
-        u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0xB1));
-        s[h] = _mm_cvtsi128_si32(u);
+      int32_t S32[B / 32];
+      for (int c = 0; c < B / 32; ++c) {
+        __m256i q[4];
+        for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 32 * c + 8 * i), idv));
+        const __m256i bytes = _mm256_permutevar8x32_epi32(
+            _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + m * K + b * B + 32 * c), bytes);
+        int s[2];
+        for (int h = 0; h < 2; ++h) {
+          const __m256i t = _mm256_add_epi32(q[2 * h], q[2 * h + 1]);
+          __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+          u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0x4E));
+          u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0xB1));
+          s[h] = _mm_cvtsi128_si32(u);
+        }
+        const int64_t i32 = (m * K + b * B) / 32 + c;
+        S32[c] = s[0] + s[1];
+        if constexpr (B == 32) {
+          s32[i32] = S32[c];
+          dxs32[i32] = d * static_cast<float>(S32[c]);
+        } else {
+          sp16[i32] = pair(s[0], s[1]);
+        }
       }
-      dx[m * (K / 32) + b] = d;
-      s32[m * (K / 32) + b] = s[0] + s[1];
-      dxs32[m * (K / 32) + b] = d * static_cast<float>(s[0] + s[1]);
-      dxs16[m * (K / 16) + 2 * b] = d * static_cast<float>(s[0]);
-      dxs16[m * (K / 16) + 2 * b + 1] = d * static_cast<float>(s[1]);
+      dx[m * (K / B) + b] = d;
+      if constexpr (B == 256)
+        for (int i = 0; i < 4; ++i) sp32[(m * K + b * B) / 64 + i] = pair(S32[2 * i], S32[2 * i + 1]);
     }
 }
 
@@ -473,6 +617,8 @@ torch::Tensor qlinear(const torch::Tensor& x_in, const std::vector<torch::Tensor
   for (size_t i = 0; i < packed.size(); ++i) {
     const auto& t = packed[i];
     const int64_t P = (ns[i] + NR - 1) / NR, nr = K / record_k(fmts[i]);
+    TORCH_CHECK(K % record_k(fmts[i]) == 0, "segment ", i, ": K = ", K, " is not a multiple of ",
+                record_k(fmts[i]));
     TORCH_CHECK(t.scalar_type() == torch::kUInt8 && t.is_contiguous() && t.dim() == 3 &&
                     t.size(0) == P && t.size(1) == nr && t.size(2) == record_bytes(fmts[i]),
                 "segment ", i, ": packed weight must be uint8 [", P, ", ", nr, ", ",
@@ -496,11 +642,16 @@ torch::Tensor qlinear(const torch::Tensor& x_in, const std::vector<torch::Tensor
   sizes.back() = N;
   auto out = torch::empty(sizes, x.options());
   if (M == 0) return out;
-  std::vector<int8_t> xq(M * K);
-  std::vector<int32_t> s32(M * K / 32);
-  std::vector<float> dx(M * K / 32), dxs32(M * K / 32), dxs16(M * K / 16);
-  quantise_rows(x.data_ptr<float>(), M, K, xq.data(), s32.data(), dx.data(), dxs32.data(), dxs16.data());
-  const Act a{xq.data(), s32.data(), dx.data(), dxs32.data(), dxs16.data(), K};
+  bool need32 = false, need256 = false;
+  for (int64_t f : fmts) (record_k(f) == 256 ? need256 : need32) = true;
+  std::vector<int8_t> xq(need32 ? M * K : 0), xq8(need256 ? M * K : 0);
+  std::vector<int32_t> s32(need32 ? M * K / 32 : 0), sp16(need256 ? M * K / 32 : 0), sp32(need256 ? M * K / 64 : 0);
+  std::vector<float> dx(need32 ? M * K / 32 : 0), dxs32(need32 ? M * K / 32 : 0), dx8(need256 ? M * K / 256 : 0);
+  if (need32)
+    quantise_rows<32>(x.data_ptr<float>(), M, K, xq.data(), dx.data(), s32.data(), dxs32.data(), nullptr, nullptr);
+  if (need256)
+    quantise_rows<256>(x.data_ptr<float>(), M, K, xq8.data(), dx8.data(), nullptr, nullptr, sp16.data(), sp32.data());
+  const Act a{K, xq.data(), s32.data(), dx.data(), dxs32.data(), xq8.data(), dx8.data(), sp16.data(), sp32.data()};
   float* op = out.data_ptr<float>();
   const int nt = static_cast<int>(std::max<int64_t>(1, nthreads));
 #pragma omp parallel num_threads(nt)

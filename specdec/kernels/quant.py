@@ -8,11 +8,12 @@ matrix back into fp32 with exactly the values `gguf.quants.dequantize` gives.
     qw = prepare_quant([QuantTensor(...), ...])   # row blocks of one fused weight (q, k, v)
     y = linear(x, qw, bias)                       # x: [..., K] -> y: [..., N]
 
-The kernel quantises x to int8 per 32-element block (d = amax / 127, round half to even) and
-takes integer dot products, so the model it computes is "GGUF weights, int8 activations";
+The kernel quantises x to int8 blocks (d = amax / 127, round half to even; 32 elements per
+block for Q8_0/Q4_0/Q4_1/Q5_0 weights, 256 for Q4_K/Q6_K, as llama.cpp does) and takes integer
+dot products, so the model it computes is "GGUF weights, int8 activations";
 `quantise_activations` is that activation step in torch, and the fallback (SPECDEC_KERNEL=torch,
-no extension, non-fp32 or non-CPU input) is F.linear(quantise_activations(x), dequantised W):
-the same math, a different summation order.
+no extension, non-fp32 or non-CPU input) is F.linear(quantise_activations(x, block), dequantised
+W): the same math, a different summation order.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["QUANT_TYPES", "QuantTensor", "QuantWeight", "prepare_quant", "linear", "pack", "unpack",
-           "quantise_activations", "requantise"]
+           "quantise_activations", "activation_block", "requantise"]
 
 NR = 16  # outputs per panel; must match NR in qlinear.cpp
 
@@ -270,9 +271,17 @@ def prepare_quant(parts: list[QuantTensor]) -> QuantWeight:
     return QuantWeight(segs, None, torch.cat([p.dequantize() for p in parts]), n, k)
 
 
-def quantise_activations(x: torch.Tensor) -> torch.Tensor:
-    """x [..., K] -> the fp32 values the kernel multiplies: d * round(x * (127 / amax)) per 32."""
-    xb = x.float().reshape(*x.shape[:-1], x.shape[-1] // 32, 32)
+def activation_block(qtype: str) -> int:
+    """Elements per activation scale the kernel uses with `qtype` weights: the K-quants take
+    one per 256-element super-block (llama.cpp's Q8_K), so their sub-block scales fold into
+    integer sums; the 32-element formats one per 32."""
+    return QUANT_TYPES[qtype].rk
+
+
+def quantise_activations(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """x [..., K] -> the fp32 values the kernel multiplies: d * round(x * (127 / amax)) per
+    `block` elements (32 for Q8_0/Q4_0/Q4_1/Q5_0, 256 for Q4_K/Q6_K: `activation_block`)."""
+    xb = x.float().reshape(*x.shape[:-1], x.shape[-1] // block, block)
     amax = xb.abs().amax(-1, keepdim=True)
     c127 = torch.full_like(amax, 127.0)  # tensor / tensor: torch turns scalar division into a
     d = amax / c127                       # multiplication by a reciprocal (not the kernel's bits)
@@ -307,4 +316,13 @@ def linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) ->
                                             [s[1] for s in w.segments]))
         fmts, ns = w.__dict__["_args"]
         return _ext.qlinear(x, w.packed, fmts, ns, bias, torch.get_num_threads(), 2 if mode == "avx2" else 0)
-    return F.linear(quantise_activations(x), w.dense.to(x.device, x.dtype), bias)
+    dense = w.dense.to(x.device, x.dtype)
+    blocks = [activation_block(qt) for qt, _ in w.segments]
+    if len(set(blocks)) == 1:
+        return F.linear(quantise_activations(x, blocks[0]), dense, bias)
+    ys, o = [], 0  # mixed activation blocks: each row block multiplies its own x^
+    for (_, n), blk in zip(w.segments, blocks):
+        ys.append(F.linear(quantise_activations(x, blk), dense[o:o + n]))
+        o += n
+    y = torch.cat(ys, -1)
+    return y if bias is None else y + bias
