@@ -6,7 +6,8 @@ What is checked, and why the tolerances are right:
   the fp16 scale fields are set to finite values) and on real rows of SmolLM2-135M.
 * The kernel computes exactly "GGUF weights x int8 activation blocks": against a float64
   reference built from the same integers (x^ = dx * xq from `quantise_activations` with the
-  format's activation block: 32, or 256 for the K-quants; w = ws * q + wm with the format's
+  format's activation block: 32, or for the K-quants 256 refined per 32 by a power of two, so
+  dx * xq is exact; w = ws * q + wm with the format's
   scales, exact in fp32: an fp16 times a <= 8-bit integer), the only differences are the
   kernel's own fp32 roundings: per 32-element block one product and two FMAs per output; per
   256-element K-quant record at most two int->float conversions, two products and two FMAs
@@ -303,16 +304,17 @@ def identity_kquant(qtype: str, k: int) -> Q.QuantTensor:
 @pytest.mark.skipif(not have_kernel(), reason="no C++ kernel on this CPU")
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
 def test_kernel_256_block_quantiser_matches_torch(qtype):
-    """The K-quant path (activation blocks of 256, scales folded into integer sums, the int16
-    pairs of 16- and 32-element sums) on identity weights returns x^ itself, bit for bit, as
-    `quantise_activations(x, 256)` defines it; a 32-element quantiser would not."""
+    """The K-quant path (activation blocks of 256 with per-32 power-of-two refinements, scales
+    and shifts folded into integer sums, the int16 pairs of 16-element sums) on identity weights
+    returns x^ itself, bit for bit, as `quantise_activations(x, 256)` defines it; a 32-element
+    quantiser would not.  The 32-blocks' magnitudes vary up to ~1000x, so every exponent occurs."""
     k = 512
     qw = Q.prepare_quant([identity_kquant(qtype, k)])
     g = torch.Generator().manual_seed(1)
     differs = 0
     for trial in range(30):
         m = 1 + trial % 6
-        scale = torch.rand(m, k // 32, 1, generator=g).expand(m, k // 32, 32).reshape(m, k)
+        scale = torch.rand(m, k // 32, 1, generator=g).pow(3).expand(m, k // 32, 32).reshape(m, k)
         x = torch.randn(m, k, generator=g) * scale * 10.0 ** (trial % 5 - 2)
         if trial % 3 == 0:
             x = (x * 4).round() / 4

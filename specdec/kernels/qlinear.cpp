@@ -15,16 +15,21 @@
 //     y[m, n] = sum_b  ws * (dx * I) + wm * (dx * S),   I = sum q * xq,  S = sum xq
 //   with the float steps per block, in this order: t = float(I) * dx;
 //   acc = fma(ws, t, acc); acc = fma(wm, dxS, acc) (dxS = dx * float(S), once per row and block).
-//   K-quants (Q4_K, Q6_K): B = 256 = the super-block (llama.cpp's Q8_K), so one dx serves
-//   the record's 8 (Q4_K) or 16 (Q6_K) sub-blocks, whose scales are small integers:
-//   ws = d * sc, wm = -dmin * mn (Q4_K) or -32 * d * sc (Q6_K), with d, dmin fp16 per
-//   super-block.  The sub-block scales fold into exact int32 sums,
-//     Q4_K: C = sum_b sc_b * I_b,  Cm = sum_b mn_b * S_b
-//     Q6_K: C = sum_b sc_b * I_b - 32 * sum_b sc_b * S_b
-//   and the float steps per record are t = float(C) * dx; acc = fma(d, t, acc)
-//   (Q4_K then tm = float(Cm) * dx; acc = fma(-dmin, tm, acc)): 2-4 float operations
-//   per 256 k instead of 4 per 16 or 32 k.  (Measured: the per-sub-block float steps
-//   were ~17% of a Q4_K M = 1 call and ~30% of a Q6_K M = 5 call.)
+//   K-quants (Q4_K, Q6_K): one scale D per 256 = the super-block, and per 32-block a
+//   power-of-two refinement: dx = D * 2^-e with e in [0, XE] the largest exponent that keeps
+//   |xq| <= 127 (a block 16x smaller than the super-block's largest still gets a fine
+//   scale; plain per-256 scales, llama.cpp's Q8_K, quadrupled Qwen 1.5B's logit error
+//   against fp32: relative RMS 1.4% -> 5.3%; XE = 3 keeps S << sh within int16).  The weight
+//   sub-block scales are small integers: ws = d * sc, wm = -dmin * mn (Q4_K) or
+//   -32 * d * sc (Q6_K), d and dmin fp16 per super-block.  So everything folds into exact
+//   int32 sums (sh = XE - e of the 32-block holding b):
+//     Q4_K: C = sum_b (sc_b * I_b) << sh,  Cm = sum_b mn_b * (S_b << sh)
+//     Q6_K: C = sum_32-blocks (sum_b in it sc_b * (I_b - 32 * S_b)) << sh
+//   and the float steps per record are t = float(C) * D'; acc = fma(d, t, acc)
+//   (Q4_K then tm = float(Cm) * D'; acc = fma(-dmin, tm, acc)), D' = D * 2^-XE: 2-4 float
+//   operations per 256 k instead of 4 per 16 or 32 k.  (Measured: the per-sub-block float
+//   steps were ~17% of a Q4_K M = 1 call and ~30% of a Q6_K M = 5 call.)  Bounds: |C| <=
+//   8 * 63 * (32 * 15 * 127) * 8 (Q4_K), 8 * 128 * (32 * 32 * 127) * 8 < 2^31 (Q6_K).
 // Each output's chain runs over blocks (records) in order from 0.0f, then
 // "+ bias"; it depends only on row m's own data, never on M, the row grouping
 // or the thread split: row m of an M-row call is bit-identical to the row
@@ -163,13 +168,17 @@ struct Act {
   const int32_t* s32;
   const float* dx;
   const float* dxs32;
-  // 256-blocks: xq8 [M, K], dx8 [M, K/256]; int16 pairs of block sums (low half first):
-  // sp16 [M, K/32] = (sum over 16 k, sum over the next 16), sp32 [M, K/64] likewise over 32 k.
+  // 256-blocks: xq8 [M, K], dx8 [M, K/256] = D * 2^-XE; per 32-block [M, K/32]: sh = XE - e,
+  // sp16 = the int16 pair (sum of xq over 16 k, over the next 16); tp [M, K/64] = the int16
+  // pair (T of this 32-block, of the next), T = (sum of xq) << sh, |T| <= 32 * 127 * 8.
   const int8_t* xq8;
   const float* dx8;
+  const int32_t* sh;
   const int32_t* sp16;
-  const int32_t* sp32;
+  const int32_t* tp;
 };
+
+constexpr int XE = 3;  // largest per-32 exponent inside a 256-block (see the header)
 
 template <int F>
 constexpr bool kquant() { return F == Q4_K || F == Q6_K; }
@@ -181,8 +190,8 @@ inline __m256i pair16(__m256i lo, __m256i hi) {  // int32 lanes -> (int16 lo, in
 // A record's scales as the row loops use them.  32-k formats: fp32 ws, wm per sub-block.
 // K-quants: ws = d, wm = -dmin (Q4_K) per output; sc = the sub-block scales as int32
 // multipliers of the int32 sub-block sums (AVX2, W = false: the int16 pair (sc, sc), for
-// madd over an int16 pair of partial sums; AVX-512: plain int32, for mullo); mp = int16
-// pairs of adjacent sub-blocks' mins (Q4_K) or scales (Q6_K) for the S-sum term.
+// madd over an int16 pair of partial sums; AVX-512: plain int32, for mullo); mp = int16 pairs
+// of adjacent sub-blocks' mins (Q4_K, against tp) or scales (Q6_K, against sp16).
 template <int F, bool W>
 struct Rec {
   static constexpr int nsub = Traits<F>::rk / Traits<F>::sb;
@@ -261,7 +270,7 @@ struct Avx2Rows {
     const int64_t n32 = a.K / 32, K = a.K;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 f[R][NH];
-    __m256i c[R][NH];  // K-quants: the record's sum_b sc_b * I_b
+    __m256i c[R][NH], c32[R][NH];  // K-quants: the record's C; the current 32-block's sum
     if constexpr (!kq) {
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r)
@@ -311,9 +320,27 @@ struct Avx2Rows {
           }
       }
       if constexpr (kq) {
+        // per 32-block: (Q6_K: both sub-blocks, less 32 * sum sc * S16) << sh, into C
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r)
-          for (int h = 0; h < NH; ++h) c[r][h] = j == 0 ? cj[r][h] : _mm256_add_epi32(c[r][h], cj[r][h]);
+          for (int h = 0; h < NH; ++h) c32[r][h] = F == Q6_K && j % 2 ? _mm256_add_epi32(c32[r][h], cj[r][h]) : cj[r][h];
+        if (F == Q4_K || j % 2 == 1) {
+          const int64_t b32 = kb / 32;
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) {
+            const int64_t m = m0 + r;
+            const __m256i shv = _mm256_set1_epi32(a.sh[m * n32 + b32]);
+            for (int h = 0; h < NH; ++h) {
+              __m256i v = c32[r][h];
+              if constexpr (F == Q6_K)
+                v = _mm256_sub_epi32(v, _mm256_slli_epi32(_mm256_madd_epi16(
+                    _mm256_load_si256(reinterpret_cast<const __m256i*>(rs.mp + (j / 2) * NR + 8 * (H0 + h))),
+                    _mm256_set1_epi32(a.sp16[m * n32 + b32])), 5));
+              v = _mm256_sllv_epi32(v, shv);
+              c[r][h] = j == (F == Q6_K ? 1 : 0) ? v : _mm256_add_epi32(c[r][h], v);
+            }
+          }
+        }
       } else {
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
@@ -329,25 +356,22 @@ struct Avx2Rows {
       }
     }
     if constexpr (kq) {
-      constexpr int np = nsub / 2;  // int16 pairs of S sums per record
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const int64_t m = m0 + r;
         const __m256 dx = _mm256_set1_ps(a.dx8[m * (K / 256) + k0 / 256]);
-        const int32_t* sp = F == Q4_K ? a.sp32 + m * (K / 64) + k0 / 64 : a.sp16 + m * n32 + k0 / 32;
         for (int h = 0; h < NH; ++h) {
           const int o = 8 * (H0 + h);
-          __m256i cm = _mm256_setzero_si256();
-          for (int i = 0; i < np; ++i)
-            cm = _mm256_add_epi32(cm, _mm256_madd_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(rs.mp + i * NR + o)),
-                                                        _mm256_set1_epi32(sp[i])));
-          __m256i ci = c[r][h];
-          if constexpr (F == Q6_K) ci = _mm256_sub_epi32(ci, _mm256_slli_epi32(cm, 5));
           float* out = acc + m * NR + o;
-          __m256 fv = _mm256_fmadd_ps(_mm256_load_ps(rs.ws + o), _mm256_mul_ps(_mm256_cvtepi32_ps(ci), dx),
+          __m256 fv = _mm256_fmadd_ps(_mm256_load_ps(rs.ws + o), _mm256_mul_ps(_mm256_cvtepi32_ps(c[r][h]), dx),
                                       _mm256_loadu_ps(out));
-          if constexpr (F == Q4_K)
+          if constexpr (F == Q4_K) {
+            __m256i cm = _mm256_setzero_si256();  // sum_b mn_b * (S_b << sh)
+            for (int i = 0; i < nsub / 2; ++i)
+              cm = _mm256_add_epi32(cm, _mm256_madd_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(rs.mp + i * NR + o)),
+                                                          _mm256_set1_epi32(a.tp[m * (K / 64) + k0 / 64 + i])));
             fv = _mm256_fmadd_ps(_mm256_load_ps(rs.wm + o), _mm256_mul_ps(_mm256_cvtepi32_ps(cm), dx), fv);
+          }
           _mm256_storeu_ps(out, fv);
         }
       }
@@ -400,7 +424,7 @@ struct Rows {  // one record, R <= 8 rows
     constexpr bool kq = kquant<F>();
     const int64_t K = a.K, n32 = K / 32;
     __m512 f[R];  // the rows' running sums stay in registers for the whole record
-    __m512i c[R];  // K-quants: the record's sum_b sc_b * I_b
+    __m512i c[R], c32[R];  // K-quants: the record's C; the current 32-block's sum
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) f[r] = _mm512_loadu_ps(acc + (m0 + r) * NR);
     for (int j = 0; j < nsub; ++j) {
@@ -419,12 +443,25 @@ struct Rows {  // one record, R <= 8 rows
           cj[r] = _mm512_dpbusd_epi32(cj[r], w, _mm512_set1_epi32(x4));
         }
       }
-      if constexpr (kq) {
+      if constexpr (kq) {  // the AVX2 path's integers, exactly
         const __m512i scv = _mm512_load_si512(rs.sc + j * NR);
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
-          const __m512i p = _mm512_mullo_epi32(cj[r], scv);  // exact: the AVX2 path's madd sums
-          c[r] = j == 0 ? p : _mm512_add_epi32(c[r], p);
+          const __m512i p = _mm512_mullo_epi32(cj[r], scv);
+          c32[r] = F == Q6_K && j % 2 ? _mm512_add_epi32(c32[r], p) : p;
+        }
+        if (F == Q4_K || j % 2 == 1) {
+          const int64_t b32 = kb / 32;
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) {
+            const int64_t m = m0 + r;
+            __m512i v = c32[r];
+            if constexpr (F == Q6_K)
+              v = _mm512_sub_epi32(v, _mm512_slli_epi32(_mm512_madd_epi16(_mm512_load_si512(rs.mp + (j / 2) * NR),
+                                                                          _mm512_set1_epi32(a.sp16[m * n32 + b32])), 5));
+            v = _mm512_sllv_epi32(v, _mm512_set1_epi32(a.sh[m * n32 + b32]));
+            c[r] = j == (F == Q6_K ? 1 : 0) ? v : _mm512_add_epi32(c[r], v);
+          }
         }
       } else {
         // The fp32 operations per lane, in the AVX2 path's order (see Avx2Rows).
@@ -442,20 +479,18 @@ struct Rows {  // one record, R <= 8 rows
       }
     }
     if constexpr (kq) {
-      constexpr int np = nsub / 2;
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const int64_t m = m0 + r;
         const __m512 dx = _mm512_set1_ps(a.dx8[m * (K / 256) + k0 / 256]);
-        const int32_t* sp = F == Q4_K ? a.sp32 + m * (K / 64) + k0 / 64 : a.sp16 + m * n32 + k0 / 32;
-        __m512i cm = _mm512_setzero_si512();
-        for (int i = 0; i < np; ++i)
-          cm = _mm512_add_epi32(cm, _mm512_madd_epi16(_mm512_load_si512(rs.mp + i * NR), _mm512_set1_epi32(sp[i])));
-        __m512i ci = c[r];
-        if constexpr (F == Q6_K) ci = _mm512_sub_epi32(ci, _mm512_slli_epi32(cm, 5));
-        f[r] = _mm512_fmadd_ps(_mm512_load_ps(rs.ws), _mm512_mul_ps(_mm512_cvtepi32_ps(ci), dx), f[r]);
-        if constexpr (F == Q4_K)
+        f[r] = _mm512_fmadd_ps(_mm512_load_ps(rs.ws), _mm512_mul_ps(_mm512_cvtepi32_ps(c[r]), dx), f[r]);
+        if constexpr (F == Q4_K) {
+          __m512i cm = _mm512_setzero_si512();
+          for (int i = 0; i < nsub / 2; ++i)
+            cm = _mm512_add_epi32(cm, _mm512_madd_epi16(_mm512_load_si512(rs.mp + i * NR),
+                                                        _mm512_set1_epi32(a.tp[m * (K / 64) + k0 / 64 + i])));
           f[r] = _mm512_fmadd_ps(_mm512_load_ps(rs.wm), _mm512_mul_ps(_mm512_cvtepi32_ps(cm), dx), f[r]);
+        }
       }
     }
 #pragma GCC unroll 8
@@ -545,31 +580,45 @@ int64_t record_bytes(int64_t fmt) {
 
 int64_t record_k(int64_t fmt) { return fmt == Q4_K || fmt == Q6_K ? 256 : 32; }
 
-// x [M, K] fp32 -> int8 blocks of B (32 or 256): d = amax / 127, xq = round_half_even(x * (127 / amax)).
-// quant.py's torch fallback does the same fp32 operations (same bits): max is exact in any
-// order, and cvtps_epi32 rounds in the current mode (nearest-even), as nearbyint does.
-// B = 32 fills s32, dx, dxs32 [M, K/32]; B = 256 fills dx [M, K/256], sp16 [M, K/32], sp32 [M, K/64].
+// x [M, K] fp32 -> int8 blocks.  B = 32: d = amax / 127, xq = round_half_even(x * (127 / amax)),
+// filling xq, dx, s32, dxs32.  B = 256: d = amax / 127 over the 256, and per 32-block the largest
+// e <= XE with amax32 * 2^e <= amax: xq = round_half_even(x * ((127 / amax) * 2^e)) (exact
+// power-of-two scalings), filling xq, dx = d * 2^-XE [M, K/256], sh = XE - e and sp16 [M, K/32],
+// tp [M, K/64].  quant.py's torch fallback does the same fp32 operations (same bits): max
+// is exact in any order, and cvtps_epi32 rounds in the current mode (nearest-even), as
+// nearbyint does.
 template <int B>
 void quantise_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, int32_t* s32,
-                   float* dxs32, int32_t* sp16, int32_t* sp32) {
+                   float* dxs32, int32_t* sh, int32_t* sp16, int32_t* tp) {
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo packs' lane interleave
+  auto hmax = [](__m256 mx) {
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    return _mm_cvtss_f32(m4);
+  };
   auto pair = [](int32_t lo, int32_t hi) {
     return static_cast<int32_t>((static_cast<uint32_t>(lo) & 0xFFFFu) | (static_cast<uint32_t>(hi) << 16));
   };
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < K / B; ++b) {
       const float* v = x + m * K + b * B;
-      __m256 mx = _mm256_setzero_ps();
-      for (int i = 0; i < B; i += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(v + i), absmask));
-      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-      m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-      const float amax = _mm_cvtss_f32(m4);
-      const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
-      const __m256 idv = _mm256_set1_ps(id);
-      int32_t S32[B / 32];
+      float a32[B / 32];
+      int32_t T[B / 32];
       for (int c = 0; c < B / 32; ++c) {
+        __m256 mx = _mm256_setzero_ps();
+        for (int i = 0; i < 32; i += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(v + 32 * c + i), absmask));
+        a32[c] = hmax(mx);
+      }
+      float amax = a32[0];
+      for (int c = 1; c < B / 32; ++c) amax = std::max(amax, a32[c]);
+      const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+      for (int c = 0; c < B / 32; ++c) {
+        int e = 0;
+        if constexpr (B == 256)
+          while (e < XE && a32[c] * static_cast<float>(2 << e) <= amax) ++e;
+        const __m256 idv = _mm256_set1_ps(id * static_cast<float>(1 << e));
         __m256i q[4];
         for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 32 * c + 8 * i), idv));
         const __m256i bytes = _mm256_permutevar8x32_epi32(
@@ -584,17 +633,18 @@ void quantise_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, 
           s[h] = _mm_cvtsi128_si32(u);
         }
         const int64_t i32 = (m * K + b * B) / 32 + c;
-        S32[c] = s[0] + s[1];
         if constexpr (B == 32) {
-          s32[i32] = S32[c];
-          dxs32[i32] = d * static_cast<float>(S32[c]);
+          s32[i32] = s[0] + s[1];
+          dxs32[i32] = d * static_cast<float>(s[0] + s[1]);
         } else {
+          sh[i32] = XE - e;
+          T[c] = (s[0] + s[1]) * (1 << (XE - e));
           sp16[i32] = pair(s[0], s[1]);
         }
       }
-      dx[m * (K / B) + b] = d;
+      dx[m * (K / B) + b] = B == 32 ? d : d * (1.f / (1 << XE));
       if constexpr (B == 256)
-        for (int i = 0; i < 4; ++i) sp32[(m * K + b * B) / 64 + i] = pair(S32[2 * i], S32[2 * i + 1]);
+        for (int i = 0; i < 4; ++i) tp[(m * K + b * B) / 64 + i] = pair(T[2 * i], T[2 * i + 1]);
     }
 }
 
@@ -645,13 +695,14 @@ torch::Tensor qlinear(const torch::Tensor& x_in, const std::vector<torch::Tensor
   bool need32 = false, need256 = false;
   for (int64_t f : fmts) (record_k(f) == 256 ? need256 : need32) = true;
   std::vector<int8_t> xq(need32 ? M * K : 0), xq8(need256 ? M * K : 0);
-  std::vector<int32_t> s32(need32 ? M * K / 32 : 0), sp16(need256 ? M * K / 32 : 0), sp32(need256 ? M * K / 64 : 0);
-  std::vector<float> dx(need32 ? M * K / 32 : 0), dxs32(need32 ? M * K / 32 : 0), dx8(need256 ? M * K / 256 : 0);
+  const int64_t n32 = M * K / 32;
+  std::vector<int32_t> s32(need32 ? n32 : 0), sh(need256 ? n32 : 0), sp16(need256 ? n32 : 0), tp(need256 ? n32 / 2 : 0);
+  std::vector<float> dx(need32 ? n32 : 0), dxs32(need32 ? n32 : 0), dx8(need256 ? M * K / 256 : 0);
   if (need32)
-    quantise_rows<32>(x.data_ptr<float>(), M, K, xq.data(), dx.data(), s32.data(), dxs32.data(), nullptr, nullptr);
+    quantise_rows<32>(x.data_ptr<float>(), M, K, xq.data(), dx.data(), s32.data(), dxs32.data(), nullptr, nullptr, nullptr);
   if (need256)
-    quantise_rows<256>(x.data_ptr<float>(), M, K, xq8.data(), dx8.data(), nullptr, nullptr, sp16.data(), sp32.data());
-  const Act a{K, xq.data(), s32.data(), dx.data(), dxs32.data(), xq8.data(), dx8.data(), sp16.data(), sp32.data()};
+    quantise_rows<256>(x.data_ptr<float>(), M, K, xq8.data(), dx8.data(), nullptr, nullptr, sh.data(), sp16.data(), tp.data());
+  const Act a{K, xq.data(), s32.data(), dx.data(), dxs32.data(), xq8.data(), dx8.data(), sh.data(), sp16.data(), tp.data()};
   float* op = out.data_ptr<float>();
   const int nt = static_cast<int>(std::max<int64_t>(1, nthreads));
 #pragma omp parallel num_threads(nt)
