@@ -67,6 +67,8 @@ def measure(name: str, widths: list[int], context: int, repeats: int, llamacpp: 
         for t in widths:
             toks = torch.randint(0, 1000, (1, t), generator=g)
             pos = torch.arange(context, context + t)[None]
+            if lc is not None:
+                time.sleep(0.05)  # let llama.cpp's worker threads stop polling before we run
             kernels.linear, spent[0] = timed_linear, 0.0
             t0 = time.perf_counter()
             model.forward(toks, pos, cache)  # writes KV at context.. but never advances: rolled back
@@ -76,6 +78,7 @@ def measure(name: str, widths: list[int], context: int, repeats: int, llamacpp: 
                 times[t].append(dt)
                 in_linear[t].append(spent[0] / dt)
             if lc is not None:
+                time.sleep(0.05)  # and ours (OpenMP) before llama.cpp runs
                 t0 = time.perf_counter()
                 lc(toks[0].tolist())
                 if rep:

@@ -6,8 +6,8 @@ What is checked, and why the tolerances are right:
   the fp16 scale fields are set to finite values) and on real rows of SmolLM2-135M.
 * The kernel computes exactly "GGUF weights x int8 activation blocks": against a float64
   reference built from the same integers (x^ = dx * xq from `quantise_activations` with the
-  format's activation block: 32, or for the K-quants 256 refined per 32 by a power of two, so
-  dx * xq is exact; w = ws * q + wm with the format's
+  format's activation block: 32, or for the K-quants 256 refined per 32 by a power of two;
+  w = ws * q + wm with the format's
   scales, exact in fp32: an fp16 times a <= 8-bit integer), the only differences are the
   kernel's own fp32 roundings: per 32-element block one product and two FMAs per output; per
   256-element K-quant record at most two int->float conversions, two products and two FMAs
@@ -304,10 +304,12 @@ def identity_kquant(qtype: str, k: int) -> Q.QuantTensor:
 @pytest.mark.skipif(not have_kernel(), reason="no C++ kernel on this CPU")
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
 def test_kernel_256_block_quantiser_matches_torch(qtype):
-    """The K-quant path (activation blocks of 256 with per-32 power-of-two refinements, scales
-    and shifts folded into integer sums, the int16 pairs of 16-element sums) on identity weights
-    returns x^ itself, bit for bit, as `quantise_activations(x, 256)` defines it; a 32-element
-    quantiser would not.  The 32-blocks' magnitudes vary up to ~1000x, so every exponent occurs."""
+    """The K-quant path's activation side (blocks of 256 with per-32 power-of-two refinements,
+    the shifts folded into integer sums, Q6_K's -32 * sum(sc * S16) term through the int16 pairs
+    of 16-element sums) on identity weights returns x^ itself, bit for bit, as
+    `quantise_activations(x, 256)` defines it; a 32-element quantiser would not.  The 32-blocks'
+    magnitudes vary up to ~1000x, so every exponent occurs.  (With sc = 1 and mins 0 this does
+    not check the scale and min indexing: the random-block tests above do, within their bound.)"""
     k = 512
     qw = Q.prepare_quant([identity_kquant(qtype, k)])
     g = torch.Generator().manual_seed(1)
@@ -326,6 +328,31 @@ def test_kernel_256_block_quantiser_matches_torch(qtype):
         for isa in isas():
             assert torch.equal(Q._ext.qlinear(x, qw.packed, [Q.QUANT_TYPES[qtype].fid], [k], None, 2, isa), y)
     assert differs >= 25, differs  # (a few trials round to all zeros at the smallest scale)
+
+
+@pytest.mark.skipif(not have_kernel(), reason="no C++ kernel on this CPU")
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_tiny_blocks_quantise_to_zero(qtype):
+    """A block whose largest |x| is below 2^-100 is zeros in the kernel and in torch (its
+    reciprocal, times 2^3 for the K-quants, would overflow: -128 codes, NaN in torch); a block
+    at 2^-99 still quantises normally."""
+    k = 512
+    qw = Q.prepare_quant([identity_kquant(qtype, k)] if qtype == "Q4_K" else [identity_q8(k)])
+    x = torch.randn(2, k)
+    x[0, :256] *= 2.0**-125  # 127 / amax * 8 overflows fp32 here
+    x[1, :256] = x[1, :256] / x[1, :256].abs().max() * 2.0**-99
+    y = K.linear(x, qw)
+    ref = Q.quantise_activations(x, Q.activation_block(qtype))
+    assert torch.isfinite(y).all() and torch.equal(y, ref)
+    assert torch.equal(y[0, :256], torch.zeros(256)) and (y[1, :256] != 0).sum() > 200
+
+
+def identity_q8(k: int) -> Q.QuantTensor:
+    raw = np.zeros((k, k // 32, 34), np.uint8)
+    raw[..., :2] = np.array([1.0], np.float16).view(np.uint8)
+    for i in range(k):
+        raw[i, i // 32, 2 + i % 32] = 1
+    return Q.QuantTensor("Q8_0", raw.reshape(k, -1), (k, k))
 
 
 def test_bad_inputs():

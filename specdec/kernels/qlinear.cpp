@@ -1,6 +1,7 @@
 // Few-row matmul on GGUF-quantised weights: out[M, N] = x[M, K] @ W[N, K]^T (+ bias),
 // with W kept in its GGUF block format (repacked, still quantised) and x quantised
-// to int8 per 32-element block, so the inner loop is an integer dot product.
+// to int8 blocks (32 elements; 256 with per-32 power-of-two refinements against the
+// K-quants), so the inner loop is an integer dot product.
 //
 // Why int8 activations: with fp32 activations every weight costs M FMAs after it
 // is dequantised, and at 4-6 bits per weight the FMAs, not the bytes, set the
@@ -93,15 +94,7 @@ constexpr int rec_bytes() { return Traits<F>::sbytes + lo_bytes<F>() + hi_bytes<
 inline __m256 h2f(const uint8_t* p) {  // 8 fp16 -> fp32 (exact)
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
-inline __m256 u8f(const uint8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-inline __m256 i8f(const uint8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-
-// Scale fields of one record -> ws, wm [nsub][16] fp32, with the same fp32
-// products the gguf package's dequantize forms (d * sc, dmin * m).
+// Scale fields of one 32-k format record -> ws, wm [16] fp32 (the K-quants': Rec::load).
 template <int F>
 inline void scales(const uint8_t* s, float* ws, float* wm) {
   for (int h = 0; h < 2; ++h) {
@@ -111,24 +104,10 @@ inline void scales(const uint8_t* s, float* ws, float* wm) {
       _mm256_storeu_ps(ws + o, d);
       const float off = F == Q4_0 ? -8.f : -16.f;
       _mm256_storeu_ps(wm + o, _mm256_mul_ps(d, _mm256_set1_ps(off)));  // exact: power of 2
-    } else if constexpr (F == Q4_1) {
+    } else {
+      static_assert(F == Q4_1, "K-quant scales are Rec::load's");
       _mm256_storeu_ps(ws + o, h2f(s + 2 * o));
       _mm256_storeu_ps(wm + o, h2f(s + 32 + 2 * o));
-    } else if constexpr (F == Q4_K) {
-      const __m256 d = h2f(s + 2 * o), dmin = h2f(s + 32 + 2 * o);
-      const __m256 neg = _mm256_set1_ps(-0.0f);
-      for (int j = 0; j < 8; ++j) {
-        _mm256_storeu_ps(ws + j * NR + o, _mm256_mul_ps(d, u8f(s + 64 + j * NR + o)));
-        _mm256_storeu_ps(wm + j * NR + o,
-                         _mm256_xor_ps(_mm256_mul_ps(dmin, u8f(s + 192 + j * NR + o)), neg));
-      }
-    } else {  // Q6_K
-      const __m256 d = h2f(s + 2 * o);
-      for (int j = 0; j < 16; ++j) {
-        const __m256 w = _mm256_mul_ps(d, i8f(s + 32 + j * NR + o));
-        _mm256_storeu_ps(ws + j * NR + o, w);
-        _mm256_storeu_ps(wm + j * NR + o, _mm256_mul_ps(w, _mm256_set1_ps(-32.f)));
-      }
     }
   }
 }
@@ -587,6 +566,8 @@ int64_t record_k(int64_t fmt) { return fmt == Q4_K || fmt == Q6_K ? 256 : 32; }
 // tp [M, K/64].  quant.py's torch fallback does the same fp32 operations (same bits): max
 // is exact in any order, and cvtps_epi32 rounds in the current mode (nearest-even), as
 // nearbyint does.
+constexpr float kTiny = 7.888609052210118e-31f;  // 2^-100
+
 template <int B>
 void quantise_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, int32_t* s32,
                    float* dxs32, int32_t* sh, int32_t* sp16, int32_t* tp) {
@@ -613,6 +594,9 @@ void quantise_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, 
       }
       float amax = a32[0];
       for (int c = 1; c < B / 32; ++c) amax = std::max(amax, a32[c]);
+      // A block below 2^-100 (~8e-31) is all zeros: its reciprocal times 2^XE could overflow,
+      // and d * 2^-XE would be subnormal (inexact).  quant.py does the same.
+      if (!(amax >= kTiny)) amax = 0.f;
       const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
       for (int c = 0; c < B / 32; ++c) {
         int e = 0;

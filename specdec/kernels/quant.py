@@ -282,6 +282,12 @@ def activation_block(qtype: str) -> int:
     return QUANT_TYPES[qtype].rk
 
 
+def _zero_tiny(amax: torch.Tensor) -> torch.Tensor:
+    """A block whose largest |x| is below 2^-100 (or NaN) quantises to zeros, as in the kernel:
+    127 / amax * 2^e could overflow and amax / 127 * 2^-XE would be subnormal."""
+    return torch.where(amax >= 2.0**-100, amax, torch.zeros_like(amax))
+
+
 def quantise_activations(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """x [..., K] -> the fp32 values the kernel multiplies.
 
@@ -292,7 +298,7 @@ def quantise_activations(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     quadrupled the logit error against fp32; the refinement keeps it near per-32's.)"""
     if block == 32:
         xb = x.float().reshape(*x.shape[:-1], x.shape[-1] // 32, 32)
-        amax = xb.abs().amax(-1, keepdim=True)
+        amax = _zero_tiny(xb.abs().amax(-1, keepdim=True))
         c127 = torch.full_like(amax, 127.0)  # tensor / tensor: torch turns scalar division into a
         d = amax / c127                       # multiplication by a reciprocal (not the kernel's bits)
         inv = torch.where(amax > 0, c127 / amax, torch.zeros_like(amax))
@@ -301,11 +307,11 @@ def quantise_activations(x: torch.Tensor, block: int = 32) -> torch.Tensor:
         raise ValueError(f"activation block must be 32 or 256, got {block}")
     xb = x.float().reshape(*x.shape[:-1], x.shape[-1] // 256, 8, 32)
     a32 = xb.abs().amax(-1, keepdim=True)
-    amax = a32.amax(-2, keepdim=True)
+    amax = _zero_tiny(a32.amax(-2, keepdim=True))
     e = torch.zeros_like(a32)
     for i in range(1, XE + 1):  # the condition is monotone in i: the largest that holds
         e = torch.where(a32 * 2.0**i <= amax, torch.full_like(e, float(i)), e)
-    scale = torch.exp2(e)
+    scale = torch.ldexp(torch.ones_like(e), e.int())  # 2^e, exactly
     c127 = torch.full_like(amax, 127.0)
     d = amax / c127
     inv = torch.where(amax > 0, c127 / amax, torch.zeros_like(amax))
