@@ -231,12 +231,7 @@ struct Avx2Rows {
   static constexpr int G = i16_steps<F>(), NS = Traits<F>::sb / 4;
   static void run(const uint8_t* lo, const uint8_t* hi, const Act& a, int64_t m0, int64_t k0,
                   const Rec<F, false>& rs, float* acc) {
-    halves<0, 2>(lo, hi, a, m0, k0, rs, acc);
-  }
-
-  template <int H0, int NH>
-  static inline void halves(const uint8_t* lo, const uint8_t* hi, const Act& a, int64_t m0,
-                            int64_t k0, const Rec<F, false>& rs, float* acc) {
+    constexpr int NH = 2;  // output halves
     constexpr int sb = Traits<F>::sb, ns = NS, nsub = Traits<F>::rk / sb;
     constexpr bool kq = kquant<F>();
     static_assert(ns % G == 0, "k-steps per sub-block must be a multiple of the int16 run");
@@ -247,7 +242,7 @@ struct Avx2Rows {
     if constexpr (!kq) {
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r)
-        for (int h = 0; h < NH; ++h) f[r][h] = _mm256_loadu_ps(acc + (m0 + r) * NR + 8 * (H0 + h));
+        for (int h = 0; h < NH; ++h) f[r][h] = _mm256_loadu_ps(acc + (m0 + r) * NR + 8 * h);
     }
     for (int j = 0; j < nsub; ++j) {
       const int64_t kb = k0 + j * sb;          // this sub-block's first k
@@ -255,7 +250,7 @@ struct Avx2Rows {
       // int16 -> int32 widening multiplier: 1, or (K-quants) the sub-block scale
       __m256i mul[NH];
       for (int h = 0; h < NH; ++h)
-        mul[h] = kq ? _mm256_load_si256(reinterpret_cast<const __m256i*>(rs.sc + j * NR + 8 * (H0 + h))) : ones;
+        mul[h] = kq ? _mm256_load_si256(reinterpret_cast<const __m256i*>(rs.sc + j * NR + 8 * h)) : ones;
       __m256i cj[R][NH];
 #pragma GCC unroll 8
       for (int t0 = 0; t0 < ns; t0 += G) {
@@ -264,7 +259,7 @@ struct Avx2Rows {
         for (int t = t0; t < t0 + G; ++t) {
           __m256i w[NH], u[NH];
           for (int h = 0; h < NH; ++h) {
-            w[h] = H0 + h == 0 ? decode_half<F, 0>(lo, hi, j * ns + t) : decode_half<F, 1>(lo, hi, j * ns + t);
+            w[h] = h == 0 ? decode_half<F, 0>(lo, hi, j * ns + t) : decode_half<F, 1>(lo, hi, j * ns + t);
             // maddubs wants unsigned x signed; Q8_0's signed codes go as |w| x sign(x, w)
             u[h] = F == Q8_0 ? _mm256_abs_epi8(w[h]) : w[h];
           }
@@ -307,7 +302,7 @@ struct Avx2Rows {
               __m256i v = c32[r][h];
               if constexpr (F == Q6_K)
                 v = _mm256_sub_epi32(v, _mm256_slli_epi32(_mm256_madd_epi16(
-                    _mm256_load_si256(reinterpret_cast<const __m256i*>(rs.mp + (j / 2) * NR + 8 * (H0 + h))),
+                    _mm256_load_si256(reinterpret_cast<const __m256i*>(rs.mp + (j / 2) * NR + 8 * h)),
                     _mm256_set1_epi32(a.sp16[m * n32 + b32])), 5));
               v = _mm256_sllv_epi32(v, shv);
               c[r][h] = j == (F == Q6_K ? 1 : 0) ? v : _mm256_add_epi32(c[r][h], v);
@@ -320,7 +315,7 @@ struct Avx2Rows {
           const int64_t m = m0 + r;
           const __m256 dx = _mm256_set1_ps(a.dx[m * n32 + kb / 32]);
           for (int h = 0; h < NH; ++h) {
-            const int o = j * NR + 8 * (H0 + h);
+            const int o = j * NR + 8 * h;
             f[r][h] = _mm256_fmadd_ps(_mm256_load_ps(rs.ws + o), _mm256_mul_ps(_mm256_cvtepi32_ps(cj[r][h]), dx), f[r][h]);
             if constexpr (Traits<F>::has_m)
               f[r][h] = _mm256_fmadd_ps(_mm256_load_ps(rs.wm + o), _mm256_set1_ps(a.dxs32[m * n32 + kb / 32]), f[r][h]);
@@ -334,7 +329,7 @@ struct Avx2Rows {
         const int64_t m = m0 + r;
         const __m256 dx = _mm256_set1_ps(a.dx8[m * (K / 256) + k0 / 256]);
         for (int h = 0; h < NH; ++h) {
-          const int o = 8 * (H0 + h);
+          const int o = 8 * h;
           float* out = acc + m * NR + o;
           __m256 fv = _mm256_fmadd_ps(_mm256_load_ps(rs.ws + o), _mm256_mul_ps(_mm256_cvtepi32_ps(c[r][h]), dx),
                                       _mm256_loadu_ps(out));
@@ -351,7 +346,7 @@ struct Avx2Rows {
     } else {
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r)
-        for (int h = 0; h < NH; ++h) _mm256_storeu_ps(acc + (m0 + r) * NR + 8 * (H0 + h), f[r][h]);
+        for (int h = 0; h < NH; ++h) _mm256_storeu_ps(acc + (m0 + r) * NR + 8 * h, f[r][h]);
     }
   }
 };

@@ -349,9 +349,10 @@ def linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) ->
     blocks = [activation_block(qt) for qt, _ in w.segments]
     if len(set(blocks)) == 1:
         return F.linear(quantise_activations(x, blocks[0]), dense, bias)
+    xh = {blk: quantise_activations(x, blk) for blk in set(blocks)}  # once per block size
     ys, o = [], 0  # mixed activation blocks: each row block multiplies its own x^
     for (_, n), blk in zip(w.segments, blocks):
-        ys.append(F.linear(quantise_activations(x, blk), dense[o:o + n]))
+        ys.append(F.linear(xh[blk], dense[o:o + n]))
         o += n
     y = torch.cat(ys, -1)
     return y if bias is None else y + bias
