@@ -155,6 +155,10 @@ struct Act {
   const int32_t* sh;
   const int32_t* sp16;
   const int32_t* tp;
+  // Row groups of <= MR rows, near-equal sizes (16 -> 4+4+4+4 on AVX2, 8+8 on AVX-512;
+  // grouping never changes a row's sums): group g is rows grp[g] .. grp[g+1]-1.
+  const int64_t* grp;
+  int64_t ng;
 };
 
 constexpr int XE = 3;  // largest per-32 exponent inside a 256-block (see the header)
@@ -183,6 +187,28 @@ struct Rec {
   void load(const uint8_t* s) {
     if constexpr (!kq) {
       scales<F>(s, ws, wm);
+    } else if constexpr (!W) {
+      // AVX2: each field is 16 bytes (outputs 0..15) per sub-block; widen all 16 at once
+      // to int16 and interleave into the int16 pairs the row loops multiply by.
+      constexpr int sc_off = F == Q4_K ? 64 : 32, mp_off = F == Q4_K ? 192 : 32;
+      auto widen = [](__m128i b) { return F == Q4_K ? _mm256_cvtepu8_epi16(b) : _mm256_cvtepi8_epi16(b); };
+      auto field = [&](int off, int j) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + off + j * NR)); };
+      for (int h = 0; h < 2; ++h) _mm256_store_ps(ws + 8 * h, h2f(s + 16 * h));
+      if constexpr (F == Q4_K)
+        for (int h = 0; h < 2; ++h)
+          _mm256_store_ps(wm + 8 * h, _mm256_xor_ps(h2f(s + 32 + 16 * h), _mm256_set1_ps(-0.0f)));
+      for (int j = 0; j < nsub; ++j) {
+        // [o0..o7 | o8..o15] -> [o0-3, o8-11 | o4-7, o12-15]: the in-lane unpacks then give
+        // (sc, sc) for outputs 0-7 (lo) and 8-15 (hi)
+        const __m256i v = _mm256_permute4x64_epi64(widen(field(sc_off, j)), 0xD8);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(sc + j * NR), _mm256_unpacklo_epi16(v, v));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(sc + j * NR + 8), _mm256_unpackhi_epi16(v, v));
+      }
+      for (int i = 0; i < nsub / 2; ++i) {  // bytes (a_o, b_o) -> the int16 pair of output o
+        const __m128i a = field(mp_off, 2 * i), b = field(mp_off, 2 * i + 1);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(mp + i * NR), widen(_mm_unpacklo_epi8(a, b)));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(mp + i * NR + 8), widen(_mm_unpackhi_epi8(a, b)));
+      }
     } else {
       for (int h = 0; h < 2; ++h) {
         const int o = 8 * h;
@@ -477,7 +503,6 @@ void panel(const uint8_t* p, int64_t nrec, const Act& a, int64_t M, float* acc) 
   constexpr int rb = rec_bytes<F>();
   std::memset(acc, 0, sizeof(float) * M * NR);
   Rec<F, Rows<F, 1>::wide> rs;
-  const int64_t ng = (M + MR - 1) / MR;
   for (int64_t rec = 0; rec < nrec; ++rec) {
     const uint8_t* s = p + rec * rb;
     // One sequential stream per thread; fetch 8 KiB ahead (past the end is harmless).
@@ -487,10 +512,8 @@ void panel(const uint8_t* p, int64_t nrec, const Act& a, int64_t M, float* acc) 
     const uint8_t* lo = s + Traits<F>::sbytes;
     const uint8_t* hi = lo + lo_bytes<F>();
     const int64_t k0 = rec * Traits<F>::rk;
-    // Near-equal row groups (16 -> 4+4+4+4 on AVX2, 8+8 on AVX-512): grouping never
-    // changes a row's sums.
-    for (int64_t g = 0; g < ng; ++g) {
-      const int64_t m0 = g * M / ng, r = (g + 1) * M / ng - m0;
+    for (int64_t g = 0; g < a.ng; ++g) {
+      const int64_t m0 = a.grp[g], r = a.grp[g + 1] - m0;
       switch (r) {
         case 1: Rows<F, 1>::run(lo, hi, a, m0, k0, rs, acc); break;
         case 2: Rows<F, 2>::run(lo, hi, a, m0, k0, rs, acc); break;
@@ -507,9 +530,11 @@ void panel(const uint8_t* p, int64_t nrec, const Act& a, int64_t M, float* acc) 
 
 using PanelFn = void (*)(const uint8_t*, int64_t, const Act&, int64_t, float*);
 
+constexpr int kMrAvx2 = 5, kMrAvx512 = 8;  // rows per group (register budget of each ISA)
+
 template <int F>
 PanelFn panel_for(bool wide) {
-  return wide ? &panel<F, avx512::Rows, 8> : &panel<F, Avx2Rows, 5>;
+  return wide ? &panel<F, avx512::Rows, kMrAvx512> : &panel<F, Avx2Rows, kMrAvx2>;
 }
 
 PanelFn panel_fn(int64_t fmt, bool wide) {
@@ -675,15 +700,22 @@ torch::Tensor qlinear(const torch::Tensor& x_in, const std::vector<torch::Tensor
     quantise_rows<32>(x.data_ptr<float>(), M, K, xq.data(), dx.data(), s32.data(), dxs32.data(), nullptr, nullptr, nullptr);
   if (need256)
     quantise_rows<256>(x.data_ptr<float>(), M, K, xq8.data(), dx8.data(), nullptr, nullptr, sh.data(), sp16.data(), tp.data());
-  const Act a{K, xq.data(), s32.data(), dx.data(), dxs32.data(), xq8.data(), dx8.data(), sh.data(), sp16.data(), tp.data()};
+  const int64_t MR = isa == 512 ? kMrAvx512 : kMrAvx2, ng = (M + MR - 1) / MR;
+  std::vector<int64_t> grp(ng + 1);
+  for (int64_t g = 0; g <= ng; ++g) grp[g] = g * M / ng;
+  const Act a{K, xq.data(), s32.data(), dx.data(), dxs32.data(), xq8.data(), dx8.data(), sh.data(), sp16.data(), tp.data(),
+              grp.data(), ng};
   float* op = out.data_ptr<float>();
   const int nt = static_cast<int>(std::max<int64_t>(1, nthreads));
+  const int64_t chunk = std::max<int64_t>(1, panels / (8 * nt));  // ~8 chunks per thread
 #pragma omp parallel num_threads(nt)
   {
     std::vector<float> acc(M * NR);
     size_t seg = 0;
-    // Static schedule: each thread streams one contiguous run of panels.
-#pragma omp for schedule(static)
+    // Dynamic schedule over contiguous chunks of panels (each thread streams runs of
+    // `chunk` panels): a thread on a core slowed by other load takes fewer chunks instead of
+    // holding the others up.  Which thread computes a panel never changes its bits.
+#pragma omp for schedule(dynamic, chunk)
     for (int64_t gp = 0; gp < panels; ++gp) {
       while (gp >= pstart[seg + 1]) ++seg;
       while (gp < pstart[seg]) --seg;
