@@ -295,16 +295,18 @@ void run(void (*chunk)(const TileArgs<T>&, int64_t, int), const float* x, int64_
          int nthreads) {
   const int64_t P = (N + NR - 1) / NR;
   const int64_t units = (P + UNIT - 1) / UNIT;
+  const int64_t run_len = std::max<int64_t>(1, units / (8 * std::max(1, nthreads)));  // ~8 runs per thread
 
 #pragma omp parallel num_threads(nthreads)
   {
     std::vector<float> accbuf(static_cast<size_t>(UNIT) * M * NR);  // [UNIT][M][NR]
     float* acc = accbuf.data();
 
-    // Static schedule: each thread streams one contiguous run of units,
-    // which is what the prefetchers like best.  K is never split
-    // across threads (that would change the summation order).
-#pragma omp for schedule(static)
+    // Dynamic schedule over contiguous runs of `run_len` units (the prefetchers like long
+    // sequential streams): a thread on a core slowed by other load takes fewer runs instead of
+    // holding the others up (qlinear.cpp measured it).  K is never split across threads (that
+    // would change the summation order), and which thread computes a unit changes no bits.
+#pragma omp for schedule(dynamic, run_len)
     for (int64_t u = 0; u < units; ++u) {
       const int64_t p0 = u * UNIT;
       const int np = static_cast<int>(std::min<int64_t>(UNIT, P - p0));
