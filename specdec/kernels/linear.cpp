@@ -15,7 +15,7 @@
 //   (element 2j = feature j, element 2j+1 = feature 8+j), so that one 32-bit
 //   lane holds two bf16 values and widening is one shift + one AND, no shuffles.
 //
-// Work split: threads take contiguous runs of units (OpenMP static schedule);
+// Work split: threads take contiguous runs of units (OpenMP dynamic schedule, ~8 runs per thread);
 // for each unit, K is walked in chunks of KC, and inside a chunk every row
 // group runs a register tile (accumulators in registers, weights
 // broadcast-multiplied against x[m, k]).  Only the first row group streams
