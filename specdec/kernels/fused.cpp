@@ -241,6 +241,7 @@ torch::Tensor attend(const torch::Tensor& qkv, const torch::Tensor& positions, c
 
   const int nt = static_cast<int>(std::max<int64_t>(1, nthreads));
   const int64_t work = B * T * H;
+  const int64_t run = std::max<int64_t>(1, group / 2);
 #pragma omp parallel num_threads(nt) if (nt > 1 && work > 1)
   {
     // 1. the new keys (rotated) and values into the cache
@@ -255,7 +256,9 @@ torch::Tensor attend(const torch::Tensor& qkv, const torch::Tensor& positions, c
     std::vector<float> q(D), sc, e;
     std::vector<int32_t> js;
     std::vector<char> seen;
-#pragma omp for schedule(static)
+    // Dynamic, in runs of half a KV group (consecutive heads share their keys and values in
+    // cache): a thread on a starved vCPU takes fewer runs.  No row's arithmetic depends on it.
+#pragma omp for schedule(dynamic, run)
     for (int64_t idx = 0; idx < work; ++idx) {
       const int64_t bt = idx / H, h = idx % H, b = bt / T, t = bt % T, p = pos[bt], kh = h / group;
       // the slots this query sees, increasing
