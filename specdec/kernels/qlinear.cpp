@@ -166,10 +166,6 @@ constexpr int XE = 3;  // largest per-32 exponent inside a 256-block (see the he
 template <int F>
 constexpr bool kquant() { return F == Q4_K || F == Q6_K; }
 
-inline __m256i pair16(__m256i lo, __m256i hi) {  // int32 lanes -> (int16 lo, int16 hi)
-  return _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(hi, 16));
-}
-
 // A record's scales as the row loops use them.  32-k formats: fp32 ws, wm per sub-block.
 // K-quants: ws = d, wm = -dmin (Q4_K) per output; sc = the sub-block scales as int32
 // multipliers of the int32 sub-block sums (AVX2, W = false: the int16 pair (sc, sc), for
@@ -187,47 +183,35 @@ struct Rec {
   void load(const uint8_t* s) {
     if constexpr (!kq) {
       scales<F>(s, ws, wm);
-    } else if constexpr (!W) {
-      // AVX2: each field is 16 bytes (outputs 0..15) per sub-block; widen all 16 at once
-      // to int16 and interleave into the int16 pairs the row loops multiply by.
+    } else {
+      // Each field is 16 bytes (outputs 0..15) per sub-block.
       constexpr int sc_off = F == Q4_K ? 64 : 32, mp_off = F == Q4_K ? 192 : 32;
-      auto widen = [](__m128i b) { return F == Q4_K ? _mm256_cvtepu8_epi16(b) : _mm256_cvtepi8_epi16(b); };
       auto field = [&](int off, int j) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + off + j * NR)); };
+      auto widen = [](__m128i b) { return F == Q4_K ? _mm256_cvtepu8_epi16(b) : _mm256_cvtepi8_epi16(b); };
       for (int h = 0; h < 2; ++h) _mm256_store_ps(ws + 8 * h, h2f(s + 16 * h));
       if constexpr (F == Q4_K)
         for (int h = 0; h < 2; ++h)
           _mm256_store_ps(wm + 8 * h, _mm256_xor_ps(h2f(s + 32 + 16 * h), _mm256_set1_ps(-0.0f)));
       for (int j = 0; j < nsub; ++j) {
-        // [o0..o7 | o8..o15] -> [o0-3, o8-11 | o4-7, o12-15]: the in-lane unpacks then give
-        // (sc, sc) for outputs 0-7 (lo) and 8-15 (hi)
-        const __m256i v = _mm256_permute4x64_epi64(widen(field(sc_off, j)), 0xD8);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(sc + j * NR), _mm256_unpacklo_epi16(v, v));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(sc + j * NR + 8), _mm256_unpackhi_epi16(v, v));
+        const __m128i b = field(sc_off, j);
+        if constexpr (W) {  // AVX-512: plain int32 per output
+          for (int h = 0; h < 2; ++h) {
+            const __m128i b8 = h ? _mm_unpackhi_epi64(b, b) : b;
+            _mm256_store_si256(reinterpret_cast<__m256i*>(sc + j * NR + 8 * h),
+                               F == Q4_K ? _mm256_cvtepu8_epi32(b8) : _mm256_cvtepi8_epi32(b8));
+          }
+        } else {
+          // AVX2, the int16 pair (sc, sc): widen all 16 to int16, [o0..o7 | o8..o15] ->
+          // [o0-3, o8-11 | o4-7, o12-15]; the in-lane unpacks then give outputs 0-7 and 8-15
+          const __m256i v = _mm256_permute4x64_epi64(widen(b), 0xD8);
+          _mm256_store_si256(reinterpret_cast<__m256i*>(sc + j * NR), _mm256_unpacklo_epi16(v, v));
+          _mm256_store_si256(reinterpret_cast<__m256i*>(sc + j * NR + 8), _mm256_unpackhi_epi16(v, v));
+        }
       }
       for (int i = 0; i < nsub / 2; ++i) {  // bytes (a_o, b_o) -> the int16 pair of output o
         const __m128i a = field(mp_off, 2 * i), b = field(mp_off, 2 * i + 1);
         _mm256_store_si256(reinterpret_cast<__m256i*>(mp + i * NR), widen(_mm_unpacklo_epi8(a, b)));
         _mm256_store_si256(reinterpret_cast<__m256i*>(mp + i * NR + 8), widen(_mm_unpackhi_epi8(a, b)));
-      }
-    } else {
-      for (int h = 0; h < 2; ++h) {
-        const int o = 8 * h;
-        _mm256_store_ps(ws + o, h2f(s + 2 * o));
-        // 8 bytes of sub-block j's field for outputs o..o+7 -> int32 lanes
-        auto field = [&](int off, int j) {
-          const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + off + j * NR + o));
-          return F == Q4_K ? _mm256_cvtepu8_epi32(b) : _mm256_cvtepi8_epi32(b);
-        };
-        constexpr int sc_off = F == Q4_K ? 64 : 32, mp_off = F == Q4_K ? 192 : 32;
-        if constexpr (F == Q4_K)
-          _mm256_store_ps(wm + o, _mm256_xor_ps(h2f(s + 32 + 2 * o), _mm256_set1_ps(-0.0f)));
-        for (int j = 0; j < nsub; ++j) {
-          const __m256i v = field(sc_off, j);
-          _mm256_store_si256(reinterpret_cast<__m256i*>(sc + j * NR + o), W ? v : pair16(v, v));
-        }
-        for (int i = 0; i < nsub / 2; ++i)
-          _mm256_store_si256(reinterpret_cast<__m256i*>(mp + i * NR + o),
-                             pair16(field(mp_off, 2 * i), field(mp_off, 2 * i + 1)));
       }
     }
   }
