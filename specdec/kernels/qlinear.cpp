@@ -26,6 +26,8 @@
 //   int32 sums (sh = XE - e of the 32-block holding b):
 //     Q4_K: C = sum_b (sc_b * I_b) << sh,  Cm = sum_b mn_b * (S_b << sh)
 //     Q6_K: C = sum_32-blocks (sum_b in it sc_b * (I_b - 32 * S_b)) << sh
+//   (the AVX2 path sums the -32 * sc_b * (S_b << sh) terms apart, once per record, like Q4_K's
+//   Cm; int32 adds wrap, so a partial sum outside int32 still ends at the same exact C)
 //   and the float steps per record are t = float(C) * D'; acc = fma(d, t, acc)
 //   (Q4_K then tm = float(Cm) * D'; acc = fma(-dmin, tm, acc)), D' = D * 2^-XE: 2-4 float
 //   operations per 256 k instead of 4 per 16 or 32 k.  (Measured: the per-sub-block float
@@ -148,12 +150,14 @@ struct Act {
   const float* dx;
   const float* dxs32;
   // 256-blocks: xq8 [M, K], dx8 [M, K/256] = D * 2^-XE; per 32-block [M, K/32]: sh = XE - e,
-  // sp16 = the int16 pair (sum of xq over 16 k, over the next 16); tp [M, K/64] = the int16
+  // sp16 = the int16 pair (S16 of the first 16 k, of the next 16; S16 = sum of xq over 16 k),
+  // sq = the pair (S16 << sh, S16' << sh), |S16 << sh| <= 16 * 127 * 8; tp [M, K/64] = the int16
   // pair (T of this 32-block, of the next), T = (sum of xq) << sh, |T| <= 32 * 127 * 8.
   const int8_t* xq8;
   const float* dx8;
   const int32_t* sh;
   const int32_t* sp16;
+  const int32_t* sq;
   const int32_t* tp;
   // Row groups of <= MR rows, near-equal sizes (16 -> 4+4+4+4 on AVX2, 8+8 on AVX-512;
   // grouping never changes a row's sums): group g is rows grp[g] .. grp[g+1]-1.
@@ -238,125 +242,150 @@ constexpr int i16_steps() {
 template <int F, int R>
 struct Avx2Rows {
   static constexpr bool wide = false;
+  static constexpr int NH = 2;  // output halves
   static constexpr int G = i16_steps<F>(), NS = Traits<F>::sb / 4;
-  static void run(const uint8_t* lo, const uint8_t* hi, const Act& a, int64_t m0, int64_t k0,
-                  const Rec<F, false>& rs, float* acc) {
-    constexpr int NH = 2;  // output halves
-    constexpr int sb = Traits<F>::sb, ns = NS, nsub = Traits<F>::rk / sb;
-    constexpr bool kq = kquant<F>();
-    static_assert(ns % G == 0, "k-steps per sub-block must be a multiple of the int16 run");
-    const int64_t n32 = a.K / 32, K = a.K;
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 f[R][NH];
-    __m256i c[R][NH], c32[R][NH];  // K-quants: the record's C; the current 32-block's sum
-    if constexpr (!kq) {
+  static_assert(NS % G == 0, "k-steps per sub-block must be a multiple of the int16 run");
+
+  // s[r][h] = sum over the G k-steps t0 .. t0+G-1 (of the record) of row r's maddubs products
+  // with half h's codes, in int16 (exact, see i16_steps).
+  static inline void i16_run(const uint8_t* lo, const uint8_t* hi, const int8_t* x, int64_t K, int t0,
+                             __m256i (&s)[R][NH]) {
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r)
-        for (int h = 0; h < NH; ++h) f[r][h] = _mm256_loadu_ps(acc + (m0 + r) * NR + 8 * h);
+    for (int t = t0; t < t0 + G; ++t) {
+      __m256i w[NH], u[NH];
+      w[0] = decode_half<F, 0>(lo, hi, t);
+      w[1] = decode_half<F, 1>(lo, hi, t);
+      for (int h = 0; h < NH; ++h)  // maddubs wants unsigned x signed; Q8_0's signed codes go as |w| x sign(x, w)
+        u[h] = F == Q8_0 ? _mm256_abs_epi8(w[h]) : w[h];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        int32_t x4;
+        std::memcpy(&x4, x + r * K + 4 * (t % NS), 4);
+        const __m256i xb = _mm256_set1_epi32(x4);
+        for (int h = 0; h < NH; ++h) {
+          // codes <= 63, |xq| <= 127: pair sums <= 16002, no saturation
+          const __m256i p = _mm256_maddubs_epi16(u[h], F == Q8_0 ? _mm256_sign_epi8(xb, w[h]) : xb);
+          s[r][h] = t == t0 ? p : _mm256_add_epi16(s[r][h], p);
+          // Keep the sums a chain in k-step order: without this barrier GCC
+          // re-associates the unrolled adds into a tree, computes every k-step's
+          // products first and spills them (~4x slower at R = 5).  Same sums.
+          asm("" : "+x"(s[r][h]));
+        }
+      }
     }
-    for (int j = 0; j < nsub; ++j) {
-      const int64_t kb = k0 + j * sb;          // this sub-block's first k
-      const int8_t* x = (kq ? a.xq8 : a.xq) + m0 * K + kb;
-      // int16 -> int32 widening multiplier: 1, or (K-quants) the sub-block scale
-      __m256i mul[NH];
-      for (int h = 0; h < NH; ++h)
-        mul[h] = kq ? _mm256_load_si256(reinterpret_cast<const __m256i*>(rs.sc + j * NR + 8 * h)) : ones;
+  }
+
+  static void run(const uint8_t* lo, const uint8_t* hi, const Act& a, int64_t m0, int64_t k0,
+                  const Rec<F, false>& rs, float* acc, const uint8_t* pf) {
+    if constexpr (kquant<F>()) {
+      run_kq(lo, hi, a, m0, k0, rs, acc, pf);
+    } else {
+      constexpr int nsub = Traits<F>::rk / Traits<F>::sb;
+      static_assert(nsub == 1 && NS % G == 0, "32-k formats: one sub-block per record");
+      const int64_t n32 = a.K / 32, K = a.K, b32 = k0 / 32;
+      const __m256i ones = _mm256_set1_epi16(1);
+      const int8_t* x = a.xq + m0 * K + k0;
       __m256i cj[R][NH];
 #pragma GCC unroll 8
-      for (int t0 = 0; t0 < ns; t0 += G) {
-        __m256i s[R][NH];  // int16 partial sums over G k-steps (exact, see i16_steps)
-#pragma GCC unroll 8
-        for (int t = t0; t < t0 + G; ++t) {
-          __m256i w[NH], u[NH];
-          for (int h = 0; h < NH; ++h) {
-            w[h] = h == 0 ? decode_half<F, 0>(lo, hi, j * ns + t) : decode_half<F, 1>(lo, hi, j * ns + t);
-            // maddubs wants unsigned x signed; Q8_0's signed codes go as |w| x sign(x, w)
-            u[h] = F == Q8_0 ? _mm256_abs_epi8(w[h]) : w[h];
-          }
-#pragma GCC unroll 8
-          for (int r = 0; r < R; ++r) {
-            int32_t x4;
-            std::memcpy(&x4, x + r * K + 4 * t, 4);
-            const __m256i xb = _mm256_set1_epi32(x4);
-            for (int h = 0; h < NH; ++h) {
-              // codes <= 63, |xq| <= 127: pair sums <= 16002, no saturation
-              const __m256i p = _mm256_maddubs_epi16(u[h], F == Q8_0 ? _mm256_sign_epi8(xb, w[h]) : xb);
-              s[r][h] = t == t0 ? p : _mm256_add_epi16(s[r][h], p);
-              // Keep the sums a chain in k-step order: without this barrier GCC
-              // re-associates the unrolled adds into a tree, computes every k-step's
-              // products first and spills them (~4x slower at R = 5).  Same sums.
-              asm("" : "+x"(s[r][h]));
-            }
-          }
-        }
+      for (int t0 = 0; t0 < NS; t0 += G) {
+        __m256i s[R][NH];
+        i16_run(lo, hi, x, K, t0, s);
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r)
           for (int h = 0; h < NH; ++h) {
-            // |s| <= 32767, |sc| <= 128: each product pair fits int32 with room to spare
-            const __m256i w32 = _mm256_madd_epi16(s[r][h], mul[h]);
+            const __m256i w32 = _mm256_madd_epi16(s[r][h], ones);
             cj[r][h] = t0 == 0 ? w32 : _mm256_add_epi32(cj[r][h], w32);
           }
       }
-      if constexpr (kq) {
-        // per 32-block: (Q6_K: both sub-blocks, less 32 * sum sc * S16) << sh, into C
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r)
-          for (int h = 0; h < NH; ++h) c32[r][h] = F == Q6_K && j % 2 ? _mm256_add_epi32(c32[r][h], cj[r][h]) : cj[r][h];
-        if (F == Q4_K || j % 2 == 1) {
-          const int64_t b32 = kb / 32;
-#pragma GCC unroll 8
-          for (int r = 0; r < R; ++r) {
-            const int64_t m = m0 + r;
-            const __m256i shv = _mm256_set1_epi32(a.sh[m * n32 + b32]);
-            for (int h = 0; h < NH; ++h) {
-              __m256i v = c32[r][h];
-              if constexpr (F == Q6_K)
-                v = _mm256_sub_epi32(v, _mm256_slli_epi32(_mm256_madd_epi16(
-                    _mm256_load_si256(reinterpret_cast<const __m256i*>(rs.mp + (j / 2) * NR + 8 * h)),
-                    _mm256_set1_epi32(a.sp16[m * n32 + b32])), 5));
-              v = _mm256_sllv_epi32(v, shv);
-              c[r][h] = j == (F == Q6_K ? 1 : 0) ? v : _mm256_add_epi32(c[r][h], v);
-            }
-          }
-        }
-      } else {
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) {
-          const int64_t m = m0 + r;
-          const __m256 dx = _mm256_set1_ps(a.dx[m * n32 + kb / 32]);
-          for (int h = 0; h < NH; ++h) {
-            const int o = j * NR + 8 * h;
-            f[r][h] = _mm256_fmadd_ps(_mm256_load_ps(rs.ws + o), _mm256_mul_ps(_mm256_cvtepi32_ps(cj[r][h]), dx), f[r][h]);
-            if constexpr (Traits<F>::has_m)
-              f[r][h] = _mm256_fmadd_ps(_mm256_load_ps(rs.wm + o), _mm256_set1_ps(a.dxs32[m * n32 + kb / 32]), f[r][h]);
-          }
-        }
-      }
-    }
-    if constexpr (kq) {
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const int64_t m = m0 + r;
-        const __m256 dx = _mm256_set1_ps(a.dx8[m * (K / 256) + k0 / 256]);
+        const __m256 dx = _mm256_set1_ps(a.dx[m * n32 + b32]);
         for (int h = 0; h < NH; ++h) {
-          const int o = 8 * h;
-          float* out = acc + m * NR + o;
-          __m256 fv = _mm256_fmadd_ps(_mm256_load_ps(rs.ws + o), _mm256_mul_ps(_mm256_cvtepi32_ps(c[r][h]), dx),
-                                      _mm256_loadu_ps(out));
-          if constexpr (F == Q4_K) {
-            __m256i cm = _mm256_setzero_si256();  // sum_b mn_b * (S_b << sh)
-            for (int i = 0; i < nsub / 2; ++i)
-              cm = _mm256_add_epi32(cm, _mm256_madd_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(rs.mp + i * NR + o)),
-                                                          _mm256_set1_epi32(a.tp[m * (K / 64) + k0 / 64 + i])));
-            fv = _mm256_fmadd_ps(_mm256_load_ps(rs.wm + o), _mm256_mul_ps(_mm256_cvtepi32_ps(cm), dx), fv);
-          }
-          _mm256_storeu_ps(out, fv);
+          float* out = acc + m * NR + 8 * h;
+          __m256 f = _mm256_fmadd_ps(_mm256_load_ps(rs.ws + 8 * h), _mm256_mul_ps(_mm256_cvtepi32_ps(cj[r][h]), dx),
+                                     _mm256_loadu_ps(out));
+          if constexpr (Traits<F>::has_m)
+            f = _mm256_fmadd_ps(_mm256_load_ps(rs.wm + 8 * h), _mm256_set1_ps(a.dxs32[m * n32 + b32]), f);
+          _mm256_storeu_ps(out, f);
         }
       }
-    } else {
+    }
+  }
+
+  // K-quants, one 32-block (8 k-steps: one Q4_K sub-block, two Q6_K ones) per iteration: the
+  // int16 runs widen through madd by the sub-block scale into the 32-block's sum, which is
+  // shifted by sh once into C.  The sub-block-constant terms (Q4_K's mins, Q6_K's -32 * sc *
+  // S16) are summed once per record in the epilogue, as Cm = sum of mp pairs x (tp | sq) pairs.
+  static void run_kq(const uint8_t* lo, const uint8_t* hi, const Act& a, int64_t m0, int64_t k0,
+                     const Rec<F, false>& rs, float* acc, const uint8_t* pf) {
+    constexpr int spb = 32 / Traits<F>::sb;  // sub-blocks per 32-block
+    constexpr int nb = Traits<F>::rk / 32;   // 32-blocks per record
+    const int64_t n32 = a.K / 32, K = a.K, b0 = k0 / 32;
+    __m256i c[R][NH];  // the record's C
+#pragma GCC unroll 1
+    for (int jb = 0; jb < nb; ++jb) {
+      const int8_t* x = a.xq8 + m0 * K + k0 + 32 * jb;
+      // Prefetch: this 32-block's share of the record 4 KiB ahead, spread through the record.
+      // A burst of the whole record at its start (all ~50 lines; the 32-k formats' way) left the
+      // loads waiting once this routine got faster: single-thread streaming A/B on 100 MB of
+      // Qwen rows, Q6_K M = 1 took 1.23x the time with the burst, 0.75x spread, against the
+      // previous routine; two threads: Q4_K M = 1 0.86x (it had no software prefetch), Q6_K
+      // M = 1 0.80x, M = 5 0.93x.
+      if (pf != nullptr) {
+        constexpr int step = (rec_bytes<F>() / nb + 63) / 64 * 64;
+        for (int off = 0; off < step; off += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(pf + jb * step + off), _MM_HINT_T0);
+      }
+      __m256i c32[R][NH];  // this 32-block's sum
+#pragma GCC unroll 2
+      for (int js = 0; js < spb; ++js) {
+        const int j = jb * spb + js;  // sub-block
+        __m256i mul[NH];  // the sub-block scale as an int16 pair per output
+        for (int h = 0; h < NH; ++h) mul[h] = _mm256_load_si256(reinterpret_cast<const __m256i*>(rs.sc + j * NR + 8 * h));
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r)
-        for (int h = 0; h < NH; ++h) _mm256_storeu_ps(acc + (m0 + r) * NR + 8 * h, f[r][h]);
+        for (int t0 = 0; t0 < NS; t0 += G) {
+          __m256i s[R][NH];
+          i16_run(lo, hi, x + js * Traits<F>::sb, K, j * NS + t0, s);
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r)
+            for (int h = 0; h < NH; ++h) {
+              // |s| <= 32767, |sc| <= 128: each product pair fits int32 with room to spare
+              const __m256i w32 = _mm256_madd_epi16(s[r][h], mul[h]);
+              c32[r][h] = js == 0 && t0 == 0 ? w32 : _mm256_add_epi32(c32[r][h], w32);
+            }
+        }
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m256i shv = _mm256_set1_epi32(a.sh[(m0 + r) * n32 + b0 + jb]);
+        for (int h = 0; h < NH; ++h) {
+          const __m256i v = _mm256_sllv_epi32(c32[r][h], shv);
+          c[r][h] = jb == 0 ? v : _mm256_add_epi32(c[r][h], v);
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + r;
+      const __m256 dx = _mm256_set1_ps(a.dx8[m * (K / 256) + k0 / 256]);
+      // Q4_K: tp pairs per 64 k (4 per record); Q6_K: sq pairs per 32 k (8 per record)
+      const int32_t* pr = F == Q4_K ? a.tp + m * (K / 64) + k0 / 64 : a.sq + m * n32 + b0;
+      for (int h = 0; h < NH; ++h) {
+        const int o = 8 * h;
+        float* out = acc + m * NR + o;
+        __m256i cm = _mm256_setzero_si256();
+        for (int i = 0; i < Traits<F>::rk / Traits<F>::sb / 2; ++i)
+          cm = _mm256_add_epi32(cm, _mm256_madd_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(rs.mp + i * NR + o)),
+                                                      _mm256_set1_epi32(pr[i])));
+        __m256i cv = c[r][h];
+        if constexpr (F == Q6_K) cv = _mm256_sub_epi32(cv, _mm256_slli_epi32(cm, 5));  // wraps back into range
+        __m256 fv = _mm256_fmadd_ps(_mm256_load_ps(rs.ws + o), _mm256_mul_ps(_mm256_cvtepi32_ps(cv), dx),
+                                    _mm256_loadu_ps(out));
+        if constexpr (F == Q4_K)
+          fv = _mm256_fmadd_ps(_mm256_load_ps(rs.wm + o), _mm256_mul_ps(_mm256_cvtepi32_ps(cm), dx), fv);
+        _mm256_storeu_ps(out, fv);
+      }
     }
   }
 };
@@ -397,7 +426,7 @@ template <int F, int R>
 struct Rows {  // one record, R <= 8 rows
   static constexpr bool wide = true;
   static void run(const uint8_t* lo, const uint8_t* hi, const Act& a, int64_t m0, int64_t k0,
-                  const Rec<F, true>& rs, float* acc) {
+                  const Rec<F, true>& rs, float* acc, const uint8_t*) {
     constexpr int sb = Traits<F>::sb, ns = sb / 4, nsub = Traits<F>::rk / sb;
     constexpr bool kq = kquant<F>();
     const int64_t K = a.K, n32 = K / 32;
@@ -489,11 +518,11 @@ void panel(const uint8_t* p, int64_t nrec, const Act& a, int64_t M, float* acc) 
   Rec<F, Rows<F, 1>::wide> rs;
   for (int64_t rec = 0; rec < nrec; ++rec) {
     const uint8_t* s = p + rec * rb;
-    // One sequential stream per thread; fetch 8 KiB ahead (past the end is harmless).  Not
-    // for Q4_K, whose single plane the hardware prefetcher alone streams best (two-thread A/Bs
-    // on 100 MB of Qwen rows: M = 5 0.91x and 0.95x the time, M = 1 unchanged); without it Q6_K
-    // (two planes) took 1.3-1.5x and Q4_1 1.18x the time.
-    if constexpr (F != Q4_K)
+    // One sequential stream per thread, prefetched (past the end is harmless).  The AVX2
+    // K-quant routine spreads its prefetches over the record, 4 KiB ahead, a few lines per
+    // 32-block (run_kq).  The others fetch the record 8 KiB ahead in one burst here; AVX-512
+    // Q4_K leaves its single plane to the hardware prefetcher.
+    if constexpr (Rows<F, 1>::wide ? F != Q4_K : !kquant<F>())
       for (int off = 0; off < rb; off += 64)
         _mm_prefetch(reinterpret_cast<const char*>(s + 8192 + off), _MM_HINT_T0);
     rs.load(s);
@@ -502,15 +531,16 @@ void panel(const uint8_t* p, int64_t nrec, const Act& a, int64_t M, float* acc) 
     const int64_t k0 = rec * Traits<F>::rk;
     for (int64_t g = 0; g < a.ng; ++g) {
       const int64_t m0 = a.grp[g], r = a.grp[g + 1] - m0;
+      const uint8_t* pf = g == 0 ? s + 4096 : nullptr;  // the first group prefetches
       switch (r) {
-        case 1: Rows<F, 1>::run(lo, hi, a, m0, k0, rs, acc); break;
-        case 2: Rows<F, 2>::run(lo, hi, a, m0, k0, rs, acc); break;
-        case 3: Rows<F, 3>::run(lo, hi, a, m0, k0, rs, acc); break;
-        case 4: Rows<F, 4>::run(lo, hi, a, m0, k0, rs, acc); break;
-        case 5: Rows<F, 5>::run(lo, hi, a, m0, k0, rs, acc); break;
-        case 6: Rows<F, MR >= 6 ? 6 : 1>::run(lo, hi, a, m0, k0, rs, acc); break;
-        case 7: Rows<F, MR >= 7 ? 7 : 1>::run(lo, hi, a, m0, k0, rs, acc); break;
-        default: Rows<F, MR >= 8 ? 8 : 1>::run(lo, hi, a, m0, k0, rs, acc); break;
+        case 1: Rows<F, 1>::run(lo, hi, a, m0, k0, rs, acc, pf); break;
+        case 2: Rows<F, 2>::run(lo, hi, a, m0, k0, rs, acc, pf); break;
+        case 3: Rows<F, 3>::run(lo, hi, a, m0, k0, rs, acc, pf); break;
+        case 4: Rows<F, 4>::run(lo, hi, a, m0, k0, rs, acc, pf); break;
+        case 5: Rows<F, 5>::run(lo, hi, a, m0, k0, rs, acc, pf); break;
+        case 6: Rows<F, MR >= 6 ? 6 : 1>::run(lo, hi, a, m0, k0, rs, acc, pf); break;
+        case 7: Rows<F, MR >= 7 ? 7 : 1>::run(lo, hi, a, m0, k0, rs, acc, pf); break;
+        default: Rows<F, MR >= 8 ? 8 : 1>::run(lo, hi, a, m0, k0, rs, acc, pf); break;
       }
     }
   }
@@ -564,7 +594,7 @@ int64_t record_k(int64_t fmt) { return fmt == Q4_K || fmt == Q6_K ? 256 : 32; }
 // x [M, K] fp32 -> int8 blocks.  B = 32: d = amax / 127, xq = round_half_even(x * (127 / amax)),
 // filling xq, dx, s32, dxs32.  B = 256: d = amax / 127 over the 256, and per 32-block the largest
 // e <= XE with amax32 * 2^e <= amax: xq = round_half_even(x * ((127 / amax) * 2^e)) (exact
-// power-of-two scalings), filling xq, dx = d * 2^-XE [M, K/256], sh = XE - e and sp16 [M, K/32],
+// power-of-two scalings), filling xq, dx = d * 2^-XE [M, K/256], sh = XE - e, sp16 and sq [M, K/32],
 // tp [M, K/64].  quant.py's torch fallback does the same fp32 operations (same bits): max
 // is exact in any order, and cvtps_epi32 rounds in the current mode (nearest-even), as
 // nearbyint does.
@@ -572,7 +602,7 @@ constexpr float kTiny = 7.888609052210118e-31f;  // 2^-100
 
 template <int B>
 void quantise_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, int32_t* s32,
-                   float* dxs32, int32_t* sh, int32_t* sp16, int32_t* tp) {
+                   float* dxs32, int32_t* sh, int32_t* sp16, int32_t* sq, int32_t* tp) {
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo packs' lane interleave
   auto hmax = [](__m256 mx) {
@@ -626,6 +656,7 @@ void quantise_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, 
           sh[i32] = XE - e;
           T[c] = (s[0] + s[1]) * (1 << (XE - e));
           sp16[i32] = pair(s[0], s[1]);
+          sq[i32] = pair(s[0] * (1 << (XE - e)), s[1] * (1 << (XE - e)));
         }
       }
       dx[m * (K / B) + b] = B == 32 ? d : d * (1.f / (1 << XE));
@@ -682,16 +713,16 @@ torch::Tensor qlinear(const torch::Tensor& x_in, const std::vector<torch::Tensor
   for (int64_t f : fmts) (record_k(f) == 256 ? need256 : need32) = true;
   std::vector<int8_t> xq(need32 ? M * K : 0), xq8(need256 ? M * K : 0);
   const int64_t n32 = M * K / 32;
-  std::vector<int32_t> s32(need32 ? n32 : 0), sh(need256 ? n32 : 0), sp16(need256 ? n32 : 0), tp(need256 ? n32 / 2 : 0);
+  std::vector<int32_t> s32(need32 ? n32 : 0), sh(need256 ? n32 : 0), sp16(need256 ? n32 : 0), sq(need256 ? n32 : 0), tp(need256 ? n32 / 2 : 0);
   std::vector<float> dx(need32 ? n32 : 0), dxs32(need32 ? n32 : 0), dx8(need256 ? M * K / 256 : 0);
   if (need32)
-    quantise_rows<32>(x.data_ptr<float>(), M, K, xq.data(), dx.data(), s32.data(), dxs32.data(), nullptr, nullptr, nullptr);
+    quantise_rows<32>(x.data_ptr<float>(), M, K, xq.data(), dx.data(), s32.data(), dxs32.data(), nullptr, nullptr, nullptr, nullptr);
   if (need256)
-    quantise_rows<256>(x.data_ptr<float>(), M, K, xq8.data(), dx8.data(), nullptr, nullptr, sh.data(), sp16.data(), tp.data());
+    quantise_rows<256>(x.data_ptr<float>(), M, K, xq8.data(), dx8.data(), nullptr, nullptr, sh.data(), sp16.data(), sq.data(), tp.data());
   const int64_t MR = isa == 512 ? kMrAvx512 : kMrAvx2, ng = (M + MR - 1) / MR;
   std::vector<int64_t> grp(ng + 1);
   for (int64_t g = 0; g <= ng; ++g) grp[g] = g * M / ng;
-  const Act a{K, xq.data(), s32.data(), dx.data(), dxs32.data(), xq8.data(), dx8.data(), sh.data(), sp16.data(), tp.data(),
+  const Act a{K, xq.data(), s32.data(), dx.data(), dxs32.data(), xq8.data(), dx8.data(), sh.data(), sp16.data(), sq.data(), tp.data(),
               grp.data(), ng};
   float* op = out.data_ptr<float>();
   const int nt = static_cast<int>(std::max<int64_t>(1, nthreads));
