@@ -172,13 +172,14 @@ CODE_BYTES = {"Q8_0": [(2, 34)], "Q4_0": [(2, 18)], "Q4_1": [(4, 20)], "Q5_0": [
 
 
 @pytest.mark.parametrize("qtype", TYPES)
-@pytest.mark.parametrize("code_byte", [0xFF, 0x80])
+@pytest.mark.parametrize("code_byte", [0xFF, 0x80, 0x00])
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 def test_kernel_extreme_codes_do_not_saturate(qtype, code_byte, sign):
-    """Every code at its maximum (0xFF; Q8_0: -1, and 0x80 = -128) against |xq| = 127 of one sign
-    in every position: the integer sums reach their bound (the AVX2 path adds up to 8 k-steps of
-    maddubs results in int16 before widening).  Any saturation or wrap-around would be off by
-    far more than the fp32 tolerance of check_against_exact."""
+    """Every code at its maximum (0xFF; Q8_0: -1, and 0x80 = -128) or zero (Q6_K: q - 32 = -32,
+    the largest offset code) against |xq| = 127 of one sign in every position: the integer sums
+    reach their bound (the AVX2 path adds up to 8 k-steps of maddubs results in int16 before
+    widening; Q6_K's wrap and are offset back).  Any saturation or wrong wrap-around would be
+    off by far more than the fp32 tolerance of check_against_exact."""
     if not have_kernel():
         pytest.skip("no C++ kernel on this CPU")
     f = Q.QUANT_TYPES[qtype]

@@ -151,14 +151,16 @@ struct Act {
   const float* dxs32;
   // 256-blocks: xq8 [M, K], dx8 [M, K/256] = D * 2^-XE; per 32-block [M, K/32]: sh = XE - e,
   // sp16 = the int16 pair (S16 of the first 16 k, of the next 16; S16 = sum of xq over 16 k),
-  // sq = the pair (S16 << sh, S16' << sh), |S16 << sh| <= 16 * 127 * 8; tp [M, K/64] = the int16
+  // tp [M, K/64] = the int16
   // pair (T of this 32-block, of the next), T = (sum of xq) << sh, |T| <= 32 * 127 * 8.
   const int8_t* xq8;
   const float* dx8;
   const int32_t* sh;
   const int32_t* sp16;
-  const int32_t* sq;
   const int32_t* tp;
+  // per 16-k sub-block [M, K/16] (the AVX2 Q6_K offset, see i16_steps): cq = the int16 pair
+  // 32 * (sum of xq at k = 0, 1 mod 4, at k = 2, 3 mod 4), each |.| <= 32 * 8 * 127 = 32512.
+  const int32_t* cq;
   // Row groups of <= MR rows, near-equal sizes (16 -> 4+4+4+4 on AVX2, 8+8 on AVX-512;
   // grouping never changes a row's sums): group g is rows grp[g] .. grp[g+1]-1.
   const int64_t* grp;
@@ -212,6 +214,7 @@ struct Rec {
           _mm256_store_si256(reinterpret_cast<__m256i*>(sc + j * NR + 8), _mm256_unpackhi_epi16(v, v));
         }
       }
+      if (F == Q4_K || W)  // (AVX2 Q6_K folds its offset into the int16 sums: no mp)
       for (int i = 0; i < nsub / 2; ++i) {  // bytes (a_o, b_o) -> the int16 pair of output o
         const __m128i a = field(mp_off, 2 * i), b = field(mp_off, 2 * i + 1);
         _mm256_store_si256(reinterpret_cast<__m256i*>(mp + i * NR), widen(_mm_unpacklo_epi8(a, b)));
@@ -222,14 +225,18 @@ struct Rec {
 };
 
 // k-steps whose maddubs results can be summed in int16 before widening, exactly: one
-// k-step adds at most 2 * qmax * 127 to a lane (qmax = 15, 31, 63 for 4-, 5-, 6-bit codes,
-// |xq| <= 127), so 8 (4-bit: 30480), 4 (5-bit: 31496) or 2 (6-bit: 32004) of them stay
-// below 32767.  Q8_0 (|w| up to 128: 32512 per k-step) widens every k-step.  Integer sums
-// are exact in any order, so this changes the instruction count, not a single bit.
+// k-step adds at most 2 * qmax * 127 to a lane (qmax = 15, 31 for 4-, 5-bit codes,
+// |xq| <= 127), so 8 (4-bit: 30480) or 4 (5-bit: 31496) of them stay below 32767.  Q8_0
+// (|w| up to 128: 32512 per k-step) widens every k-step.  Q6_K (codes q <= 63) sums its
+// whole 16-k sub-block, 4 k-steps, in wrapping int16 and then subtracts cq, 32 * the lane's
+// sum of xq: what remains is sum (q - 32) * xq, |.| <= 4 * 2 * 32 * 127 = 32512, so the
+// wrapped int16 holds it exactly (2 k-steps per widening before: 6 multiply-pipe ops per 16 k
+// and row-half instead of 5, and the -32 * S terms apart).  Integer sums are exact in any
+// order, so this changes the instruction count, not a single bit.
 template <int F>
 constexpr int i16_steps() {
   constexpr int bits = Traits<F>::bits, ns = Traits<F>::sb / 4;
-  constexpr int g = bits == 4 ? 8 : bits == 5 ? 4 : bits == 6 ? 2 : 1;
+  constexpr int g = bits == 4 ? 8 : bits == 5 ? 4 : bits == 6 ? 4 : 1;
   return g < ns ? g : ns;
 }
 
@@ -314,9 +321,9 @@ struct Avx2Rows {
   }
 
   // K-quants, one 32-block (8 k-steps: one Q4_K sub-block, two Q6_K ones) per iteration: the
-  // int16 runs widen through madd by the sub-block scale into the 32-block's sum, which is
-  // shifted by sh once into C.  The sub-block-constant terms (Q4_K's mins, Q6_K's -32 * sc *
-  // S16) are summed once per record in the epilogue, as Cm = sum of mp pairs x (tp | sq) pairs.
+  // int16 runs (Q6_K's offset by cq, see i16_steps) widen through madd by the sub-block scale
+  // into the 32-block's sum, which is shifted by sh once into C.  Q4_K's min terms are summed
+  // once per record in the epilogue, as Cm = sum of mp pairs x tp pairs.
   static void run_kq(const uint8_t* lo, const uint8_t* hi, const Act& a, int64_t m0, int64_t k0,
                      const Rec<F, false>& rs, float* acc, const uint8_t* pf) {
     constexpr int spb = 32 / Traits<F>::sb;  // sub-blocks per 32-block
@@ -347,6 +354,14 @@ struct Avx2Rows {
         for (int t0 = 0; t0 < NS; t0 += G) {
           __m256i s[R][NH];
           i16_run(lo, hi, x + js * Traits<F>::sb, K, j * NS + t0, s);
+          if constexpr (F == Q6_K) {
+            static_assert(G == NS, "the Q6_K offset is per sub-block");
+#pragma GCC unroll 8
+            for (int r = 0; r < R; ++r) {
+              const __m256i cr = _mm256_set1_epi32(a.cq[(m0 + r) * (K / 16) + (k0 + 32 * jb) / 16 + js]);
+              for (int h = 0; h < NH; ++h) s[r][h] = _mm256_sub_epi16(s[r][h], cr);  // wraps back: exact
+            }
+          }
 #pragma GCC unroll 8
           for (int r = 0; r < R; ++r)
             for (int h = 0; h < NH; ++h) {
@@ -369,21 +384,18 @@ struct Avx2Rows {
     for (int r = 0; r < R; ++r) {
       const int64_t m = m0 + r;
       const __m256 dx = _mm256_set1_ps(a.dx8[m * (K / 256) + k0 / 256]);
-      // Q4_K: tp pairs per 64 k (4 per record); Q6_K: sq pairs per 32 k (8 per record)
-      const int32_t* pr = F == Q4_K ? a.tp + m * (K / 64) + k0 / 64 : a.sq + m * n32 + b0;
       for (int h = 0; h < NH; ++h) {
         const int o = 8 * h;
         float* out = acc + m * NR + o;
-        __m256i cm = _mm256_setzero_si256();
-        for (int i = 0; i < Traits<F>::rk / Traits<F>::sb / 2; ++i)
-          cm = _mm256_add_epi32(cm, _mm256_madd_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(rs.mp + i * NR + o)),
-                                                      _mm256_set1_epi32(pr[i])));
-        __m256i cv = c[r][h];
-        if constexpr (F == Q6_K) cv = _mm256_sub_epi32(cv, _mm256_slli_epi32(cm, 5));  // wraps back into range
-        __m256 fv = _mm256_fmadd_ps(_mm256_load_ps(rs.ws + o), _mm256_mul_ps(_mm256_cvtepi32_ps(cv), dx),
+        __m256 fv = _mm256_fmadd_ps(_mm256_load_ps(rs.ws + o), _mm256_mul_ps(_mm256_cvtepi32_ps(c[r][h]), dx),
                                     _mm256_loadu_ps(out));
-        if constexpr (F == Q4_K)
+        if constexpr (F == Q4_K) {
+          __m256i cm = _mm256_setzero_si256();  // sum_b mn_b * (S_b << sh), tp pairs per 64 k
+          for (int i = 0; i < 4; ++i)
+            cm = _mm256_add_epi32(cm, _mm256_madd_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(rs.mp + i * NR + o)),
+                                                        _mm256_set1_epi32(a.tp[m * (K / 64) + k0 / 64 + i])));
           fv = _mm256_fmadd_ps(_mm256_load_ps(rs.wm + o), _mm256_mul_ps(_mm256_cvtepi32_ps(cm), dx), fv);
+        }
         _mm256_storeu_ps(out, fv);
       }
     }
@@ -594,7 +606,7 @@ int64_t record_k(int64_t fmt) { return fmt == Q4_K || fmt == Q6_K ? 256 : 32; }
 // x [M, K] fp32 -> int8 blocks.  B = 32: d = amax / 127, xq = round_half_even(x * (127 / amax)),
 // filling xq, dx, s32, dxs32.  B = 256: d = amax / 127 over the 256, and per 32-block the largest
 // e <= XE with amax32 * 2^e <= amax: xq = round_half_even(x * ((127 / amax) * 2^e)) (exact
-// power-of-two scalings), filling xq, dx = d * 2^-XE [M, K/256], sh = XE - e, sp16 and sq [M, K/32],
+// power-of-two scalings), filling xq, dx = d * 2^-XE [M, K/256], sh = XE - e and sp16 [M, K/32], cq [M, K/16],
 // tp [M, K/64].  quant.py's torch fallback does the same fp32 operations (same bits): max
 // is exact in any order, and cvtps_epi32 rounds in the current mode (nearest-even), as
 // nearbyint does.
@@ -602,7 +614,7 @@ constexpr float kTiny = 7.888609052210118e-31f;  // 2^-100
 
 template <int B>
 void quantise_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, int32_t* s32,
-                   float* dxs32, int32_t* sh, int32_t* sp16, int32_t* sq, int32_t* tp) {
+                   float* dxs32, int32_t* sh, int32_t* sp16, int32_t* tp, int32_t* cq) {
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo packs' lane interleave
   auto hmax = [](__m256 mx) {
@@ -644,6 +656,10 @@ void quantise_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, 
         for (int h = 0; h < 2; ++h) {
           const __m256i t = _mm256_add_epi32(q[2 * h], q[2 * h + 1]);
           __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+          if constexpr (B == 256) {  // lanes k = 0, 1 and 2, 3 mod 4 of this 16-k half
+            const __m128i ab = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0xB1));
+            cq[(m * K + b * B) / 16 + 2 * c + h] = pair(32 * _mm_cvtsi128_si32(ab), 32 * _mm_extract_epi32(ab, 2));
+          }
           u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0x4E));
           u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0xB1));
           s[h] = _mm_cvtsi128_si32(u);
@@ -656,7 +672,6 @@ void quantise_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, 
           sh[i32] = XE - e;
           T[c] = (s[0] + s[1]) * (1 << (XE - e));
           sp16[i32] = pair(s[0], s[1]);
-          sq[i32] = pair(s[0] * (1 << (XE - e)), s[1] * (1 << (XE - e)));
         }
       }
       dx[m * (K / B) + b] = B == 32 ? d : d * (1.f / (1 << XE));
@@ -713,16 +728,16 @@ torch::Tensor qlinear(const torch::Tensor& x_in, const std::vector<torch::Tensor
   for (int64_t f : fmts) (record_k(f) == 256 ? need256 : need32) = true;
   std::vector<int8_t> xq(need32 ? M * K : 0), xq8(need256 ? M * K : 0);
   const int64_t n32 = M * K / 32;
-  std::vector<int32_t> s32(need32 ? n32 : 0), sh(need256 ? n32 : 0), sp16(need256 ? n32 : 0), sq(need256 ? n32 : 0), tp(need256 ? n32 / 2 : 0);
+  std::vector<int32_t> s32(need32 ? n32 : 0), sh(need256 ? n32 : 0), sp16(need256 ? n32 : 0), tp(need256 ? n32 / 2 : 0), cq(need256 ? 2 * n32 : 0);
   std::vector<float> dx(need32 ? n32 : 0), dxs32(need32 ? n32 : 0), dx8(need256 ? M * K / 256 : 0);
   if (need32)
     quantise_rows<32>(x.data_ptr<float>(), M, K, xq.data(), dx.data(), s32.data(), dxs32.data(), nullptr, nullptr, nullptr, nullptr);
   if (need256)
-    quantise_rows<256>(x.data_ptr<float>(), M, K, xq8.data(), dx8.data(), nullptr, nullptr, sh.data(), sp16.data(), sq.data(), tp.data());
+    quantise_rows<256>(x.data_ptr<float>(), M, K, xq8.data(), dx8.data(), nullptr, nullptr, sh.data(), sp16.data(), tp.data(), cq.data());
   const int64_t MR = isa == 512 ? kMrAvx512 : kMrAvx2, ng = (M + MR - 1) / MR;
   std::vector<int64_t> grp(ng + 1);
   for (int64_t g = 0; g <= ng; ++g) grp[g] = g * M / ng;
-  const Act a{K, xq.data(), s32.data(), dx.data(), dxs32.data(), xq8.data(), dx8.data(), sh.data(), sp16.data(), sq.data(), tp.data(),
+  const Act a{K, xq.data(), s32.data(), dx.data(), dxs32.data(), xq8.data(), dx8.data(), sh.data(), sp16.data(), tp.data(), cq.data(),
               grp.data(), ng};
   float* op = out.data_ptr<float>();
   const int nt = static_cast<int>(std::max<int64_t>(1, nthreads));
