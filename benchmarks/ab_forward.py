@@ -1,0 +1,99 @@
+"""A/B of kernel sources at model level, in one process: forward(1) and forward(T) of a model at
+`--dtype native`, each source built as its own extension and swapped in per repeat.
+
+On a shared, noisy machine two benchmark processes run minutes apart can differ by 25%; here
+the builds alternate inside one process (order reversed every repeat) on the same loaded model
+and cache, so their ratio is what a change did.  Sources are files with the same functions as
+`specdec/kernels/qlinear.cpp` (`--kernel qlinear`) or `fused.cpp` (`--kernel fused`), e.g. an old
+revision: `git show HEAD~1:specdec/kernels/qlinear.cpp > /tmp/old.cpp`.  The first source is the
+baseline.  A table, then one JSON line.
+
+    .venv/bin/python benchmarks/ab_forward.py --kernel qlinear /tmp/old.cpp specdec/kernels/qlinear.cpp
+        [--model qwen2.5-coder-1.5b] [--width 5] [--repeats 15] [--threads 2] [--context 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+FLAGS = {"qlinear": ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
+         "fused": ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]}  # as the package builds them
+
+
+def build(src: str, kernel: str, root: Path):
+    from torch.utils import cpp_extension
+
+    name = f"ab_{kernel}_{hashlib.sha256(Path(src).read_bytes()).hexdigest()[:12]}"
+    d = root / name
+    d.mkdir(parents=True, exist_ok=True)
+    shutil.copy(src, d / f"{name}.cpp")
+    return cpp_extension.load(name=name, sources=[str(d / f"{name}.cpp")], build_directory=str(d),
+                              extra_cflags=FLAGS[kernel], extra_ldflags=["-fopenmp"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("sources", nargs="+", help="kernel source files; the first is the baseline")
+    ap.add_argument("--kernel", choices=sorted(FLAGS), required=True)
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--width", type=int, default=5, help="T of the wide forward (a verify of T-1 drafts)")
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--context", type=int, default=200)
+    args = ap.parse_args()
+    if args.width < 2 or args.repeats < 1 or args.threads < 1 or args.context < 1:
+        ap.error("--width must be >= 2, --repeats, --threads and --context >= 1")
+    torch.set_num_threads(args.threads)
+
+    from specdec.api import load_model
+    from specdec.kernels import fused, quant
+
+    module = quant if args.kernel == "qlinear" else fused
+    with tempfile.TemporaryDirectory(prefix="specdec_ab_") as tmp:
+        exts = [build(s, args.kernel, Path(tmp)) for s in args.sources]
+        model, _ = load_model(args.model, dtype="native", device="cpu")
+        cache = model.new_cache(1, args.context + args.width + 8)
+        g = torch.Generator().manual_seed(0)
+        model.forward(torch.randint(0, 1000, (1, args.context), generator=g),
+                      torch.arange(args.context)[None], cache)
+        cache.advance(0, args.context)
+        widths = (1, args.width)
+        times = {(e, w): [] for e in range(len(exts)) for w in widths}
+        for rep in range(args.repeats + 1):  # repeat 0 warms up
+            order = list(range(len(exts)))[::-1 if rep % 2 else 1]
+            for e in order:
+                module._ext = exts[e]
+                for w in widths:
+                    toks = torch.randint(0, 1000, (1, w), generator=g)
+                    pos = torch.arange(args.context, args.context + w)[None]
+                    t0 = time.perf_counter()
+                    model.forward(toks, pos, cache)  # KV written past the context, never advanced
+                    if rep:
+                        times[e, w].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    T = args.width
+    print(f"{args.model}, --dtype native, {args.threads} threads, {args.context}-token cache, "
+          f"median of {args.repeats}, builds alternating in one process")
+    print(f"| source | T=1 | T={T} | T={T}/T=1 |")
+    print("|---|---|---|---|")
+    rows = []
+    for e, s in enumerate(args.sources):
+        a, b = med[e, 1], med[e, T]
+        print(f"| {s} | {a:.1f} ms ({a / med[0, 1]:.3f}x) | {b:.1f} ms ({b / med[0, T]:.3f}x) | {b / a:.3f} |")
+        rows.append({"source": s, "t1_ms": a, f"t{T}_ms": b, "t1_vs_base": a / med[0, 1],
+                     f"t{T}_vs_base": b / med[0, T], "ratio": b / a})
+    print(json.dumps({"benchmark": "ab_forward", "kernel": args.kernel, "model": args.model,
+                      "threads": args.threads, "width": T, "repeats": args.repeats, "results": rows}))
+
+
+if __name__ == "__main__":
+    main()
