@@ -742,15 +742,20 @@ torch::Tensor qlinear(const torch::Tensor& x_in, const std::vector<torch::Tensor
   float* op = out.data_ptr<float>();
   const int nt = static_cast<int>(std::max<int64_t>(1, nthreads));
   const int64_t chunk = std::max<int64_t>(1, panels / (8 * nt));  // ~8 chunks per thread
+  int64_t bytes = 0;
+  for (size_t i = 0; i < packed.size(); ++i) bytes += packed[i].numel();
+  // Dynamic schedule over contiguous chunks of panels (each thread streams runs of `chunk`
+  // panels): a thread on a core slowed by other load takes fewer chunks instead of holding the
+  // others up.  A weight under 1 MiB is split statically: its chunks are a few panels each, and
+  // handing them out cost more than it saved (SmolLM2-135M forward(1), one-process A/B of the
+  // two builds: 0.935x the time with every matmul static).  Which thread computes a panel never
+  // changes its bits.
+  const bool dyn = bytes >= (1 << 20);
 #pragma omp parallel num_threads(nt)
   {
     std::vector<float> acc(M * NR);
     size_t seg = 0;
-    // Dynamic schedule over contiguous chunks of panels (each thread streams runs of
-    // `chunk` panels): a thread on a core slowed by other load takes fewer chunks instead of
-    // holding the others up.  Which thread computes a panel never changes its bits.
-#pragma omp for schedule(dynamic, chunk)
-    for (int64_t gp = 0; gp < panels; ++gp) {
+    auto one = [&](int64_t gp) {
       while (gp >= pstart[seg + 1]) ++seg;
       while (gp < pstart[seg]) --seg;
       const int64_t p = gp - pstart[seg];
@@ -767,6 +772,13 @@ torch::Tensor qlinear(const torch::Tensor& x_in, const std::vector<torch::Tensor
           std::memcpy(o, s, sizeof(float) * nv);
         }
       }
+    };
+    if (dyn) {
+#pragma omp for schedule(dynamic, chunk)
+      for (int64_t gp = 0; gp < panels; ++gp) one(gp);
+    } else {
+#pragma omp for schedule(static)
+      for (int64_t gp = 0; gp < panels; ++gp) one(gp);
     }
   }
   return out;
