@@ -25,25 +25,28 @@ from pathlib import Path
 
 import torch
 
-FLAGS = {"qlinear": ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
-         "fused": ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]}  # as the package builds them
+KERNELS = ("qlinear", "fused")
 
 
 def build(src: str, kernel: str, root: Path):
     from torch.utils import cpp_extension
+
+    from specdec import kernels
+    from specdec.kernels import fused
 
     name = f"ab_{kernel}_{hashlib.sha256(Path(src).read_bytes()).hexdigest()[:12]}"
     d = root / name
     d.mkdir(parents=True, exist_ok=True)
     shutil.copy(src, d / f"{name}.cpp")
     return cpp_extension.load(name=name, sources=[str(d / f"{name}.cpp")], build_directory=str(d),
-                              extra_cflags=FLAGS[kernel], extra_ldflags=["-fopenmp"])
+                              extra_cflags=kernels.CFLAGS if kernel == "qlinear" else fused.CFLAGS,
+                              extra_ldflags=["-fopenmp"])  # the flags the package builds it with
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("sources", nargs="+", help="kernel source files; the first is the baseline")
-    ap.add_argument("--kernel", choices=sorted(FLAGS), required=True)
+    ap.add_argument("--kernel", choices=KERNELS, required=True)
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--width", type=int, default=5, help="T of the wide forward (a verify of T-1 drafts)")
     ap.add_argument("--repeats", type=int, default=15)

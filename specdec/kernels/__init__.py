@@ -141,6 +141,9 @@ def _build_dir() -> Path:
     return Path(os.environ.get("SPECDEC_CACHE", "~/.cache/specdec")).expanduser() / "ext"
 
 
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]  # linear.cpp, qlinear.cpp
+
+
 def _load_extension(name: str, sources: list[str], verbose: bool = False):
     """Compile/load one C++ extension from this folder (cached on disk); None on failure."""
     try:
@@ -155,7 +158,7 @@ def _load_extension(name: str, sources: list[str], verbose: bool = False):
         return cpp_extension.load(
             name=name,
             sources=[str(_SRC.with_name(s)) for s in sources],
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
+            extra_cflags=CFLAGS,
             extra_ldflags=["-fopenmp"],
             build_directory=str(bdir),
             verbose=verbose,

@@ -319,9 +319,6 @@ torch::Tensor attend(const torch::Tensor& qkv, const torch::Tensor& positions, c
   float* op = out.data_ptr<float>();
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
 
-  // rotate-half RoPE, as x1 * cos - x2 * sin | x2 * cos + x1 * sin (each product rounded)
-  auto rope = [&](const float* x, const float* c, const float* s, float* y) { rope_rot(x, c, s, y, half); };
-
   const int nt = static_cast<int>(std::max<int64_t>(1, nthreads));
   const int64_t work = B * T * H;
   const int64_t run = std::max<int64_t>(1, group / 2);
@@ -330,7 +327,7 @@ torch::Tensor attend(const torch::Tensor& qkv, const torch::Tensor& positions, c
   // so does T = 1, where the loop was faster (Qwen 1.5B shapes, 28 calls at 200 slots, 2
   // threads: 1.83 ms against 2.02 grouped; T = 5: 4.04 against 3.38 grouped).
   const bool grouped = !has_mask && D % 8 == 0 && D <= 128 && T > 1;
-  const int64_t hpi = std::max<int64_t>(1, group / 2), hchunks = (group + hpi - 1) / hpi, items = B * Hkv * hchunks;
+  const int64_t hchunks = (group + run - 1) / run, items = B * Hkv * hchunks;  // grouped: runs of `run` heads
 #pragma omp parallel num_threads(nt) if (nt > 1 && work > 1)
   {
     // 1. the new keys (rotated) and values into the cache
@@ -338,11 +335,11 @@ torch::Tensor attend(const torch::Tensor& qkv, const torch::Tensor& positions, c
     for (int64_t idx = 0; idx < B * T * Hkv; ++idx) {
       const int64_t bt = idx / Hkv, h = idx % Hkv, b = bt / T, p = pos[bt];
       const float* src = qp + bt * N + (H + h) * D;
-      rope(src, cp + p * half, sp + p * half, kp + row[b] * ks0 + h * ks1 + p * ks2);
+      rope_rot(src, cp + p * half, sp + p * half, kp + row[b] * ks0 + h * ks1 + p * ks2, half);
       std::copy(src + Hkv * D, src + Hkv * D + D, vp + row[b] * vs0 + h * vs1 + p * vs2);
     }
     // (implicit barrier: every new key is in place before any query reads the cache)
-    std::vector<float> q(D), sc, e;
+    std::vector<float> sc, e;
     if (grouped) {
       // Causal, no mask: work items are (batch row, KV head, run of heads); each takes its
       // T x heads queries in tiles of up to 4 (attend_tile).  Dynamic, so a thread on a starved
@@ -352,24 +349,24 @@ torch::Tensor attend(const torch::Tensor& qkv, const torch::Tensor& positions, c
 #pragma omp for schedule(dynamic, 1)
       for (int64_t it = 0; it < items; ++it) {
         const int64_t b = it / (Hkv * hchunks), kh = it / hchunks % Hkv, hc = it % hchunks;
-        const int64_t h0 = kh * group + hc * hpi, nh = std::min(hpi, (kh + 1) * group - h0), nq = T * nh;
+        const int64_t h0 = kh * group + hc * run, nh = std::min(run, (kh + 1) * group - h0), nq = T * nh;
         const float* kb = kp + row[b] * ks0 + kh * ks1;
         const float* vb = vp + row[b] * vs0 + kh * vs1;
         for (int64_t q0 = 0; q0 < nq; q0 += NQ) {
-          const int nt = static_cast<int>(std::min<int64_t>(NQ, nq - q0));
+          const int tile = static_cast<int>(std::min<int64_t>(NQ, nq - q0));
           int64_t n[NQ], nmax = 0;
           float* orow[NQ];
-          for (int i = 0; i < nt; ++i) {
+          for (int i = 0; i < tile; ++i) {
             const int64_t t = (q0 + i) / nh, h = h0 + (q0 + i) % nh, bt = b * T + t, p = pos[bt];
             n[i] = p + 1;
             nmax = std::max(nmax, n[i]);
-            rope(qp + bt * N + h * D, cp + p * half, sp + p * half, qt.data() + i * D);
+            rope_rot(qp + bt * N + h * D, cp + p * half, sp + p * half, qt.data() + i * D, half);
             orow[i] = op + bt * H * D + h * D;
           }
           const int64_t n8 = (nmax + 7) / 8 * 8;
           sc.resize(NQ * n8);
           e.resize(NQ * n8);
-          switch (nt) {
+          switch (tile) {
             case 1: attend_tile<1>(qt.data(), n, D, kb, ks2, vb, vs2, scale, sc.data(), e.data(), n8, orow); break;
             case 2: attend_tile<2>(qt.data(), n, D, kb, ks2, vb, vs2, scale, sc.data(), e.data(), n8, orow); break;
             case 3: attend_tile<3>(qt.data(), n, D, kb, ks2, vb, vs2, scale, sc.data(), e.data(), n8, orow); break;
@@ -378,6 +375,7 @@ torch::Tensor attend(const torch::Tensor& qkv, const torch::Tensor& positions, c
         }
       }
     } else {
+    std::vector<float> q(D);
     std::vector<int32_t> js;
     std::vector<char> seen;
     // Dynamic, in runs of half a KV group (consecutive heads share their keys and values in
@@ -405,7 +403,7 @@ torch::Tensor attend(const torch::Tensor& qkv, const torch::Tensor& positions, c
         std::fill(orow, orow + D, 0.f);
         continue;
       }
-      rope(qp + bt * N + h * D, cp + p * half, sp + p * half, q.data());
+      rope_rot(qp + bt * N + h * D, cp + p * half, sp + p * half, q.data(), half);
       const float* kb = kp + row[b] * ks0 + kh * ks1;
       const float* vb = vp + row[b] * vs0 + kh * vs1;
       const int64_t n8 = (n + 7) / 8 * 8;

@@ -33,6 +33,9 @@ _ext = None
 _tried = False
 
 
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]  # the elementwise ops are torch's, unfused
+
+
 def build(verbose: bool = False):
     """Compile/load the fused extension (cached on disk, next to the matmul's); None on failure."""
     global _ext, _tried
@@ -51,7 +54,7 @@ def build(verbose: bool = False):
         bdir = kernels._build_dir() / "specdec_fused"
         bdir.mkdir(parents=True, exist_ok=True)
         _ext = cpp_extension.load(name="specdec_fused", sources=[str(Path(__file__).with_name("fused.cpp"))],
-                                  extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"],
+                                  extra_cflags=CFLAGS,
                                   extra_ldflags=["-fopenmp"], build_directory=str(bdir), verbose=verbose)
     except Exception as e:  # noqa: BLE001 -- any build failure means "fall back"
         lines = str(e).strip().splitlines()

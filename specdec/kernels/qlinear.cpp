@@ -26,8 +26,7 @@
 //   int32 sums (sh = XE - e of the 32-block holding b):
 //     Q4_K: C = sum_b (sc_b * I_b) << sh,  Cm = sum_b mn_b * (S_b << sh)
 //     Q6_K: C = sum_32-blocks (sum_b in it sc_b * (I_b - 32 * S_b)) << sh
-//   (the AVX2 path sums the -32 * sc_b * (S_b << sh) terms apart, once per record, like Q4_K's
-//   Cm; int32 adds wrap, so a partial sum outside int32 still ends at the same exact C)
+//   (the AVX2 path folds the -32 * S_b into its int16 sub-block sums, see i16_steps; the same C)
 //   and the float steps per record are t = float(C) * D'; acc = fma(d, t, acc)
 //   (Q4_K then tm = float(Cm) * D'; acc = fma(-dmin, tm, acc)), D' = D * 2^-XE: 2-4 float
 //   operations per 256 k instead of 4 per 16 or 32 k.  (Measured: the per-sub-block float
@@ -150,9 +149,9 @@ struct Act {
   const float* dx;
   const float* dxs32;
   // 256-blocks: xq8 [M, K], dx8 [M, K/256] = D * 2^-XE; per 32-block [M, K/32]: sh = XE - e,
-  // sp16 = the int16 pair (S16 of the first 16 k, of the next 16; S16 = sum of xq over 16 k),
-  // tp [M, K/64] = the int16
-  // pair (T of this 32-block, of the next), T = (sum of xq) << sh, |T| <= 32 * 127 * 8.
+  // sp16 = the int16 pair (S16 of the first 16 k, of the next 16; S16 = sum of xq over 16 k; the
+  // AVX-512 Q6_K correction); tp [M, K/64] = the int16 pair (T of this 32-block, of the next),
+  // T = (sum of xq) << sh, |T| <= 32 * 127 * 8.
   const int8_t* xq8;
   const float* dx8;
   const int32_t* sh;
@@ -214,11 +213,12 @@ struct Rec {
           _mm256_store_si256(reinterpret_cast<__m256i*>(sc + j * NR + 8), _mm256_unpackhi_epi16(v, v));
         }
       }
-      if (F == Q4_K || W)  // (AVX2 Q6_K folds its offset into the int16 sums: no mp)
-      for (int i = 0; i < nsub / 2; ++i) {  // bytes (a_o, b_o) -> the int16 pair of output o
-        const __m128i a = field(mp_off, 2 * i), b = field(mp_off, 2 * i + 1);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(mp + i * NR), widen(_mm_unpacklo_epi8(a, b)));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(mp + i * NR + 8), widen(_mm_unpackhi_epi8(a, b)));
+      if constexpr (F == Q4_K || W) {  // (AVX2 Q6_K folds its offset into the int16 sums: no mp)
+        for (int i = 0; i < nsub / 2; ++i) {  // bytes (a_o, b_o) -> the int16 pair of output o
+          const __m128i a = field(mp_off, 2 * i), b = field(mp_off, 2 * i + 1);
+          _mm256_store_si256(reinterpret_cast<__m256i*>(mp + i * NR), widen(_mm_unpacklo_epi8(a, b)));
+          _mm256_store_si256(reinterpret_cast<__m256i*>(mp + i * NR + 8), widen(_mm_unpackhi_epi8(a, b)));
+        }
       }
     }
   }
@@ -287,8 +287,7 @@ struct Avx2Rows {
     if constexpr (kquant<F>()) {
       run_kq(lo, hi, a, m0, k0, rs, acc, pf);
     } else {
-      constexpr int nsub = Traits<F>::rk / Traits<F>::sb;
-      static_assert(nsub == 1 && NS % G == 0, "32-k formats: one sub-block per record");
+      static_assert(Traits<F>::rk == Traits<F>::sb, "32-k formats: one sub-block per record");
       const int64_t n32 = a.K / 32, K = a.K, b32 = k0 / 32;
       const __m256i ones = _mm256_set1_epi16(1);
       const int8_t* x = a.xq + m0 * K + k0;
