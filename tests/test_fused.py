@@ -76,7 +76,7 @@ def _attend_case(data):
     B = data.draw(st.integers(1, 3), "B")
     T = data.draw(st.integers(1, 6), "T")
     Hkv = data.draw(st.integers(1, 3), "Hkv")
-    H = Hkv * data.draw(st.integers(1, 4), "group")
+    H = Hkv * data.draw(st.integers(1, 6), "group")
     D = data.draw(st.sampled_from([2, 6, 8, 10, 16, 64, 128]), "D")
     seed = data.draw(st.integers(0, 9999), "seed")
     g = torch.Generator().manual_seed(seed)

@@ -110,7 +110,12 @@ inline void rope_rot(const float* x, const float* c, const float* s, float* y, i
 // n; each output lane one FMA chain over the slots in order, times 1 / sum.  So the bits are the
 // same whatever the tile holds; only the loop nest differs: each key and value row is loaded once
 // for the tile, not once per query.  (At T = 5 a Qwen 1.5B KV head has 30 queries, and their
-// re-reads of its keys and values, from L2, were most of the attention time.)
+// re-reads of its keys and values, from L2, were most of the attention time.)  NT <= 6 keeps the
+// score pass at 2 x 6 and the output pass at 6 x 2 independent FMA chains, enough to hide the
+// FMA latency (with 8 the chains were the bound), in 15 of the 16 ymm registers; every loop
+// over the tile is unrolled, or GCC keeps the accumulators in memory (a store per slot).
+// Hot in cache, one thread, Qwen shapes (D = 128, 200 slots): 27.6 cycles per query and slot,
+// 48 before (NT = 4, the accumulators stored every slot).
 // q: the tile's rotated queries [NT][D]; sc, e: [NT][n8] scratch (n8 = max n rounded up to 8).
 template <int NT>
 void attend_tile(const float* q, const int64_t* n, int64_t D, const float* kb, int64_t ks, const float* vb,
@@ -118,21 +123,30 @@ void attend_tile(const float* q, const int64_t* n, int64_t D, const float* kb, i
   int64_t nmin = n[0], nmax = n[0];
   for (int i = 1; i < NT; ++i) nmin = std::min(nmin, n[i]), nmax = std::max(nmax, n[i]);
   // scores, two keys per pass over d (2 x NT independent FMA chains); a key past a query's own
-  // n is scored but never read
+  // n is scored but never read.  The rows 8 slots on are prefetched, values too (the first tile
+  // of a head meets them in DRAM: the cache of all layers is larger than L3's share)
   for (int64_t j = 0; j < nmax; j += 2) {
     const bool two = j + 1 < nmax;
     const float* k0 = kb + j * ks;
     const float* k1 = kb + (two ? j + 1 : j) * ks;
+    for (int64_t r = j + 8; r < std::min(j + 10, nmax); ++r)
+      for (int64_t d = 0; d < D; d += 16) {
+        _mm_prefetch(reinterpret_cast<const char*>(kb + r * ks + d), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(vb + r * vs + d), _MM_HINT_T0);
+      }
     __m256 a0[NT], a1[NT];
+#pragma GCC unroll 8
     for (int i = 0; i < NT; ++i) a0[i] = a1[i] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d += 8) {
       const __m256 kv0 = _mm256_loadu_ps(k0 + d), kv1 = _mm256_loadu_ps(k1 + d);
+#pragma GCC unroll 8
       for (int i = 0; i < NT; ++i) {
         const __m256 qv = _mm256_loadu_ps(q + i * D + d);
         a0[i] = _mm256_fmadd_ps(qv, kv0, a0[i]);
         a1[i] = _mm256_fmadd_ps(qv, kv1, a1[i]);
       }
     }
+#pragma GCC unroll 8
     for (int i = 0; i < NT; ++i) {
       sc[i * n8 + j] = hsum(a0[i]) * scale;
       if (two) sc[i * n8 + j + 1] = hsum(a1[i]) * scale;
@@ -160,16 +174,19 @@ void attend_tile(const float* q, const int64_t* n, int64_t D, const float* kb, i
   for (int64_t c = 0; c < D; c += 16) {
     const bool w2 = c + 8 < D;
     __m256 acc0[NT], acc1[NT];
+#pragma GCC unroll 8
     for (int i = 0; i < NT; ++i) acc0[i] = acc1[i] = _mm256_setzero_ps();
     for (int64_t j = 0; j < nmin; ++j) {
       const float* vr = vb + j * vs + c;
       const __m256 v0 = _mm256_loadu_ps(vr), v1 = w2 ? _mm256_loadu_ps(vr + 8) : v0;
+#pragma GCC unroll 8
       for (int i = 0; i < NT; ++i) {
         const __m256 ev = _mm256_set1_ps(e[i * n8 + j]);
         acc0[i] = _mm256_fmadd_ps(ev, v0, acc0[i]);
         acc1[i] = _mm256_fmadd_ps(ev, v1, acc1[i]);
       }
     }
+#pragma GCC unroll 8
     for (int i = 0; i < NT; ++i) {
       for (int64_t j = nmin; j < n[i]; ++j) {
         const float* vr = vb + j * vs + c;
@@ -249,7 +266,9 @@ torch::Tensor silu_mul(const torch::Tensor& gu) {
   const float* gp = gu.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
-#pragma omp parallel for schedule(static) if (R * I >= (1 << 16))
+// Two threads from 16384 outputs (T >= 2 rows of Qwen 1.5B's 8960): 28 calls at T = 5 took 0.52 ms
+// against 0.84 on one; at T = 1 one thread is as fast (0.19 ms).
+#pragma omp parallel for schedule(static) if (R * I >= (1 << 14))
   for (int64_t r = 0; r < R; ++r) {
     const float* g = gp + r * I2;
     const float* u = g + I;
@@ -323,11 +342,14 @@ torch::Tensor attend(const torch::Tensor& qkv, const torch::Tensor& positions, c
   const int64_t work = B * T * H;
   const int64_t run = std::max<int64_t>(1, group / 2);
   // The grouped causal path (attend_tile) computes what the per-query loop below does with
-  // weighted_sum (D a multiple of 8 up to 128), to the bit; masks and other D take the loop, and
-  // so does T = 1, where the loop was faster (Qwen 1.5B shapes, 28 calls at 200 slots, 2
-  // threads: 1.83 ms against 2.02 grouped; T = 5: 4.04 against 3.38 grouped).
-  const bool grouped = !has_mask && D % 8 == 0 && D <= 128 && T > 1;
-  const int64_t hchunks = (group + run - 1) / run, items = B * Hkv * hchunks;  // grouped: runs of `run` heads
+  // weighted_sum (D a multiple of 8 up to 128), to the bit; masks and other D take the loop.
+  // Qwen 1.5B shapes, 28 calls at 200 slots, caches flushed between forwards, 2 threads, in one
+  // process: T = 1 1.28 ms grouped against 2.22 per query; T = 5 3.32 against 4.16 (the previous
+  // grouped path: tiles of 4, dynamic schedule, no prefetch).
+  const bool grouped = !has_mask && D % 8 == 0 && D <= 128;
+  // grouped: the T x group queries of a KV head, t-major, in tiles of NQ; one tile per work item
+  constexpr int NQ = 6;
+  const int64_t nqh = T * group, tiles = (nqh + NQ - 1) / NQ, items = B * Hkv * tiles;
 #pragma omp parallel num_threads(nt) if (nt > 1 && work > 1)
   {
     // 1. the new keys (rotated) and values into the cache
@@ -341,37 +363,37 @@ torch::Tensor attend(const torch::Tensor& qkv, const torch::Tensor& positions, c
     // (implicit barrier: every new key is in place before any query reads the cache)
     std::vector<float> sc, e;
     if (grouped) {
-      // Causal, no mask: work items are (batch row, KV head, run of heads); each takes its
-      // T x heads queries in tiles of up to 4 (attend_tile).  Dynamic, so a thread on a starved
-      // vCPU takes fewer items; no query's arithmetic depends on its tile or thread.
-      constexpr int NQ = 4;
+      // Causal, no mask: a work item is (batch row, KV head, tile of up to NQ of its queries)
+      // (attend_tile).  Static, in item order: a thread takes whole heads where it can, so a
+      // head's keys and values come from DRAM once and from its own L2 for the later tiles
+      // (dynamic handed both threads tiles of the same head: 3.65 ms against 3.00 at T = 5).
+      // No query's arithmetic depends on its tile or thread.
       std::vector<float> qt(NQ * D);
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(static)
       for (int64_t it = 0; it < items; ++it) {
-        const int64_t b = it / (Hkv * hchunks), kh = it / hchunks % Hkv, hc = it % hchunks;
-        const int64_t h0 = kh * group + hc * run, nh = std::min(run, (kh + 1) * group - h0), nq = T * nh;
+        const int64_t b = it / (Hkv * tiles), kh = it / tiles % Hkv, q0 = it % tiles * NQ;
         const float* kb = kp + row[b] * ks0 + kh * ks1;
         const float* vb = vp + row[b] * vs0 + kh * vs1;
-        for (int64_t q0 = 0; q0 < nq; q0 += NQ) {
-          const int tile = static_cast<int>(std::min<int64_t>(NQ, nq - q0));
-          int64_t n[NQ], nmax = 0;
-          float* orow[NQ];
-          for (int i = 0; i < tile; ++i) {
-            const int64_t t = (q0 + i) / nh, h = h0 + (q0 + i) % nh, bt = b * T + t, p = pos[bt];
-            n[i] = p + 1;
-            nmax = std::max(nmax, n[i]);
-            rope_rot(qp + bt * N + h * D, cp + p * half, sp + p * half, qt.data() + i * D, half);
-            orow[i] = op + bt * H * D + h * D;
-          }
-          const int64_t n8 = (nmax + 7) / 8 * 8;
-          sc.resize(NQ * n8);
-          e.resize(NQ * n8);
-          switch (tile) {
-            case 1: attend_tile<1>(qt.data(), n, D, kb, ks2, vb, vs2, scale, sc.data(), e.data(), n8, orow); break;
-            case 2: attend_tile<2>(qt.data(), n, D, kb, ks2, vb, vs2, scale, sc.data(), e.data(), n8, orow); break;
-            case 3: attend_tile<3>(qt.data(), n, D, kb, ks2, vb, vs2, scale, sc.data(), e.data(), n8, orow); break;
-            default: attend_tile<4>(qt.data(), n, D, kb, ks2, vb, vs2, scale, sc.data(), e.data(), n8, orow); break;
-          }
+        const int tile = static_cast<int>(std::min<int64_t>(NQ, nqh - q0));
+        int64_t n[NQ], nmax = 0;
+        float* orow[NQ];
+        for (int i = 0; i < tile; ++i) {
+          const int64_t t = (q0 + i) / group, h = kh * group + (q0 + i) % group, bt = b * T + t, p = pos[bt];
+          n[i] = p + 1;
+          nmax = std::max(nmax, n[i]);
+          rope_rot(qp + bt * N + h * D, cp + p * half, sp + p * half, qt.data() + i * D, half);
+          orow[i] = op + bt * H * D + h * D;
+        }
+        const int64_t n8 = (nmax + 7) / 8 * 8;
+        sc.resize(NQ * n8);
+        e.resize(NQ * n8);
+        switch (tile) {
+          case 1: attend_tile<1>(qt.data(), n, D, kb, ks2, vb, vs2, scale, sc.data(), e.data(), n8, orow); break;
+          case 2: attend_tile<2>(qt.data(), n, D, kb, ks2, vb, vs2, scale, sc.data(), e.data(), n8, orow); break;
+          case 3: attend_tile<3>(qt.data(), n, D, kb, ks2, vb, vs2, scale, sc.data(), e.data(), n8, orow); break;
+          case 4: attend_tile<4>(qt.data(), n, D, kb, ks2, vb, vs2, scale, sc.data(), e.data(), n8, orow); break;
+          case 5: attend_tile<5>(qt.data(), n, D, kb, ks2, vb, vs2, scale, sc.data(), e.data(), n8, orow); break;
+          default: attend_tile<6>(qt.data(), n, D, kb, ks2, vb, vs2, scale, sc.data(), e.data(), n8, orow); break;
         }
       }
     } else {
