@@ -63,7 +63,7 @@ def main():
         kernels._ext.stream_read(buf, a.threads)
         bw.append(buf.numel() * 4 / (time.perf_counter() - t0) / 1e9)
         for q, (qw, xs) in weights.items():
-            fmts, ns = [Q.QUANT_TYPES[q].fid], [qw.n]
+            fmts, ns = list(qw.fids), [qw.n]
             for m in MS:
                 t0 = time.perf_counter()
                 ext.qlinear(xs[m], qw.packed, fmts, ns, None, a.threads, a.isa)

@@ -109,6 +109,30 @@ def test_unpack_equals_gguf_dequantize(qtype):
         qt = random_blocks(qtype, n, k, seed)
         got = Q.unpack(Q.pack(qt), qtype, n)
         assert torch.equal(got, qt.dequantize()), (n, k)
+        if qtype == "Q6_K":  # the AVX2 routine's layout too
+            packed = Q.pack(qt, q6k_avx2=True)
+            assert packed.shape == Q.pack(qt).shape
+            assert torch.equal(Q.unpack(packed, qtype, n, q6k_avx2=True), qt.dequantize()), (n, k)
+
+
+def test_q6k_layouts_give_the_same_bits():
+    """Q6_K's two layouts (low + high planes, and Q6_K2's three-vector k-step pairs) through the
+    AVX2 routine: the same codes, so the same integer sums and the same bits, M = 1..16.
+    Negative control: one code changed in the Q6_K2 records changes the output."""
+    if not have_kernel():
+        pytest.skip("no C++ kernel on this machine")
+    n, k = 40, 512
+    qt = random_blocks("Q6_K", n, k, 7)
+    planes, pairs = Q.pack(qt), Q.pack(qt, q6k_avx2=True)
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(3))
+    for m in range(1, 17):
+        a = Q._ext.qlinear(x[:m], [planes], [Q.QUANT_TYPES["Q6_K"].fid], [n], None, 2, 2)
+        b = Q._ext.qlinear(x[:m], [pairs], [Q.Q6_K2_FID], [n], None, 2, 2)
+        assert torch.equal(a, b), m
+    bad = pairs.clone()
+    bad[0, 0, -1] ^= 0x80  # a high bit of the last pair's fourth code (output 15, a real row)
+    assert not torch.equal(Q._ext.qlinear(x, [bad], [Q.Q6_K2_FID], [n], None, 2, 2),
+                           Q._ext.qlinear(x, [pairs], [Q.Q6_K2_FID], [n], None, 2, 2))
 
 
 def test_unpack_equals_gguf_on_real_rows():
@@ -161,7 +185,7 @@ def test_kernel_exact_math_and_batch_invariance(qtype, n, blocks, m, bias, seed)
     for isa in isas():
         for nt in (1, 2):
             for i in range(m):
-                yi = Q._ext.qlinear(x[i:i + 1].contiguous(), qw.packed, [f.fid], [n], b, nt, isa)
+                yi = Q._ext.qlinear(x[i:i + 1].contiguous(), qw.packed, list(qw.fids), [n], b, nt, isa)
                 assert torch.equal(yi[0], y[i]), (isa, nt, i)
 
 
@@ -196,7 +220,7 @@ def test_kernel_extreme_codes_do_not_saturate(qtype, code_byte, sign):
     check_against_exact(y, x, qt)
     for isa in isas():
         for i in range(5):
-            yi = Q._ext.qlinear(x[i:i + 1].contiguous(), qw.packed, [f.fid], [n], None, 1, isa)
+            yi = Q._ext.qlinear(x[i:i + 1].contiguous(), qw.packed, list(qw.fids), [n], None, 1, isa)
             assert torch.equal(yi[0], y[i]), (isa, i)
 
 
@@ -327,7 +351,7 @@ def test_kernel_256_block_quantiser_matches_torch(qtype):
         assert torch.equal(y, Q.quantise_activations(x, 256)), trial
         differs += not torch.equal(y, Q.quantise_activations(x, 32))
         for isa in isas():
-            assert torch.equal(Q._ext.qlinear(x, qw.packed, [Q.QUANT_TYPES[qtype].fid], [k], None, 2, isa), y)
+            assert torch.equal(Q._ext.qlinear(x, qw.packed, list(qw.fids), [k], None, 2, isa), y)
     assert differs >= 25, differs  # (a few trials round to all zeros at the smallest scale)
 
 

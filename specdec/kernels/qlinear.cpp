@@ -51,6 +51,8 @@
 //     halves; field f occupies bits [f*b, f*b + b).
 //   scales: the format's own fp16 / 6-bit / int8 scale fields, unchanged in
 //     value, reordered to 16 outputs per vector (see quant.py).
+//   Q6_K2 (Q6_K for the AVX2 routine, packed where that routine runs): the same scales, and
+//     in place of the two planes one plane of k-step pairs (see decode_half).
 // Two implementations: AVX2 (+F16C; maddubs/madd, what Zen 3 runs) and AVX-512 VNNI
 // (vpdpbusd), chosen at run time.  Integer sums are exact and the fp32 epilogue is
 // the same per-lane code, so both give the same bits.
@@ -70,7 +72,8 @@ namespace {
 
 constexpr int NR = 16;  // outputs per panel
 
-enum Fmt : int { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q5_0 = 3, Q4_K = 4, Q6_K = 5 };
+// Q6_K2: Q6_K's values in the AVX2 layout of its code planes (see decode_half); AVX2 only.
+enum Fmt : int { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q5_0 = 3, Q4_K = 4, Q6_K = 5, Q6_K2 = 6 };
 
 template <int F>
 struct Traits;
@@ -82,6 +85,7 @@ template <> struct Traits<Q4_1> { static constexpr int rk = 32, sb = 32, bits = 
 template <> struct Traits<Q5_0> { static constexpr int rk = 32, sb = 32, bits = 5, sbytes = 32; static constexpr bool has_m = true; };
 template <> struct Traits<Q4_K> { static constexpr int rk = 256, sb = 32, bits = 4, sbytes = 320; static constexpr bool has_m = true; };
 template <> struct Traits<Q6_K> { static constexpr int rk = 256, sb = 16, bits = 6, sbytes = 288; static constexpr bool has_m = true; };
+template <> struct Traits<Q6_K2> : Traits<Q6_K> {};
 
 template <int F>
 constexpr int lo_bytes() { return Traits<F>::rk / 4 * (Traits<F>::bits == 8 ? 64 : 32); }
@@ -118,10 +122,29 @@ inline __m256i shift16(__m256i v, int sh) {
 }
 
 // Weight codes of k-step s (of the record) for outputs 8H .. 8H+7 (H = 0, 1).
+//
+// Q6_K2 (Q6_K's codes for the AVX2 routine): no low and high planes but one plane of k-step
+// pairs, 96 bytes each: V0, V1, V2 hold whole 6-bit codes in bits 0-5 (k-step 2i halves 0 and
+// 1, k-step 2i+1 half 0) and the fourth vector's code (k-step 2i+1, half 1) two bits each in
+// bits 6-7 (its bits 0-1 in V0, 2-3 in V1, 4-5 in V2).  Decoding the four vectors takes 11
+// operations, the low + high planes 17 (Q6_K at M = 5, weights in L1, one thread: 0.90x the
+// time, Zen 3).  AVX-512 keeps the planes (its decode is a different sequence, and there is no
+// machine here to test a new one on).
 template <int F, int H>
 inline __m256i decode_half(const uint8_t* lo, const uint8_t* hi, int s) {
   constexpr int bits = Traits<F>::bits;
-  if constexpr (bits == 8) {
+  if constexpr (F == Q6_K2) {
+    const uint8_t* v = lo + (s / 2) * 96;
+    auto ld = [v](int i) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 32 * i)); };
+    const __m256i m6 = _mm256_set1_epi8(0x3F);
+    if (s % 2 == 0) return _mm256_and_si256(ld(H), m6);
+    if (H == 0) return _mm256_and_si256(ld(2), m6);
+    // (the 16-bit shifts pull the next byte's low bits in above bit 5; the masks drop them)
+    const __m256i c0 = _mm256_and_si256(_mm256_srli_epi16(ld(0), 6), _mm256_set1_epi8(0x03));
+    const __m256i c1 = _mm256_and_si256(_mm256_srli_epi16(ld(1), 4), _mm256_set1_epi8(0x0C));
+    const __m256i c2 = _mm256_and_si256(_mm256_srli_epi16(ld(2), 2), _mm256_set1_epi8(0x30));
+    return _mm256_or_si256(_mm256_or_si256(c0, c1), c2);
+  } else if constexpr (bits == 8) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + s * 64 + 32 * H));
   } else {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
@@ -169,7 +192,7 @@ struct Act {
 constexpr int XE = 3;  // largest per-32 exponent inside a 256-block (see the header)
 
 template <int F>
-constexpr bool kquant() { return F == Q4_K || F == Q6_K; }
+constexpr bool kquant() { return F == Q4_K || F == Q6_K || F == Q6_K2; }
 
 // A record's scales as the row loops use them.  32-k formats: fp32 ws, wm per sub-block.
 // K-quants: ws = d, wm = -dmin (Q4_K) per output; sc = the sub-block scales as int32
@@ -353,7 +376,7 @@ struct Avx2Rows {
         for (int t0 = 0; t0 < NS; t0 += G) {
           __m256i s[R][NH];
           i16_run(lo, hi, x + js * Traits<F>::sb, K, j * NS + t0, s);
-          if constexpr (F == Q6_K) {
+          if constexpr (Traits<F>::bits == 6) {
             static_assert(G == NS, "the Q6_K offset is per sub-block");
 #pragma GCC unroll 8
             for (int r = 0; r < R; ++r) {
@@ -574,6 +597,7 @@ PanelFn panel_fn(int64_t fmt, bool wide) {
     case Q5_0: return panel_for<Q5_0>(wide);
     case Q4_K: return panel_for<Q4_K>(wide);
     case Q6_K: return panel_for<Q6_K>(wide);
+    case Q6_K2: TORCH_CHECK(!wide, "Q6_K2 has no AVX-512 routine"); return &panel<Q6_K2, Avx2Rows, kMrAvx2>;
     default: TORCH_CHECK(false, "unknown quant format ", fmt);
   }
 }
@@ -596,11 +620,12 @@ int64_t record_bytes(int64_t fmt) {
     case Q5_0: return rec_bytes<Q5_0>();
     case Q4_K: return rec_bytes<Q4_K>();
     case Q6_K: return rec_bytes<Q6_K>();
+    case Q6_K2: return rec_bytes<Q6_K2>();
     default: TORCH_CHECK(false, "unknown quant format ", fmt);
   }
 }
 
-int64_t record_k(int64_t fmt) { return fmt == Q4_K || fmt == Q6_K ? 256 : 32; }
+int64_t record_k(int64_t fmt) { return fmt == Q4_K || fmt == Q6_K || fmt == Q6_K2 ? 256 : 32; }
 
 // x [M, K] fp32 -> int8 blocks.  B = 32: d = amax / 127, xq = round_half_even(x * (127 / amax)),
 // filling xq, dx, s32, dxs32.  B = 256: d = amax / 127 over the 256, and per 32-block the largest
@@ -693,6 +718,8 @@ torch::Tensor qlinear(const torch::Tensor& x_in, const std::vector<torch::Tensor
   if (isa == 0) isa = best_isa();
   TORCH_CHECK(isa == 2 || (isa == 512 && cpu_has_avx512_vnni()),
               "isa must be 0 (auto), 2 (AVX2) or 512 (AVX-512 VNNI, if the CPU has it)");
+  // Q6_K2 records have only an AVX2 routine: a call holding one runs on AVX2 (the same bits)
+  if (std::find(fmts.begin(), fmts.end(), int64_t{Q6_K2}) != fmts.end()) isa = 2;
   std::vector<PanelFn> fns;
   std::vector<int64_t> nrec, off{0}, pstart{0};
   for (size_t i = 0; i < packed.size(); ++i) {

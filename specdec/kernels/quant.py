@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["QUANT_TYPES", "QuantTensor", "QuantWeight", "prepare_quant", "linear", "pack", "unpack",
+__all__ = ["QUANT_TYPES", "Q6_K2_FID", "QuantTensor", "QuantWeight", "prepare_quant", "linear", "pack", "unpack",
            "quantise_activations", "activation_block", "requantise"]
 
 NR = 16  # outputs per panel; must match NR in qlinear.cpp
@@ -158,8 +158,13 @@ def _scales_to_weights(qtype: str, q: np.ndarray, fields: list[np.ndarray]) -> n
 
 # --- (codes, fields) <-> panel records ---------------------------------------------------------
 
-def pack(qt: QuantTensor) -> torch.Tensor:
-    """GGUF blocks -> uint8 [P, K / rk, record bytes] (P = ceil(N / 16), zero-padded)."""
+Q6_K2_FID = 6  # Q6_K in the AVX2 routine's layout (qlinear.cpp's Q6_K2): same record size
+
+
+def pack(qt: QuantTensor, q6k_avx2: bool = False) -> torch.Tensor:
+    """GGUF blocks -> uint8 [P, K / rk, record bytes] (P = ceil(N / 16), zero-padded).
+    q6k_avx2: a Q6_K tensor's codes in the Q6_K2 layout (k-step pairs of three vectors, each
+    byte a whole code plus two bits of the pair's fourth code) instead of low + high planes."""
     f = QUANT_TYPES[qt.qtype]
     n, k = qt.shape
     q, fields = _decode_blocks(qt)
@@ -175,9 +180,15 @@ def pack(qt: QuantTensor) -> torch.Tensor:
     t = q.reshape(P, 2, 8, S, 4).transpose(0, 3, 1, 2, 4).reshape(P, S, 2, 32)  # [P, S, half, 32]
     if f.bits == 8:
         parts.append(t.reshape(P, nrec, -1))
+    elif qt.qtype == "Q6_K" and q6k_avx2:
+        u = t.reshape(P, S // 2, 2, 2, 32)  # [P, pair, step, half, 32]
+        c3 = u[:, :, 1, 1]
+        v = [u[:, :, 0, 0] | ((c3 & 3) << 6), u[:, :, 0, 1] | (((c3 >> 2) & 3) << 6),
+             u[:, :, 1, 0] | ((c3 >> 4) << 6)]
+        parts.append(np.stack(v, axis=2).astype(np.uint8).reshape(P, nrec, -1))
     else:
         parts.append(((t[:, :, 0] & 0x0F) | ((t[:, :, 1] & 0x0F) << 4)).reshape(P, nrec, -1))
-    if f.bits in (5, 6):
+    if f.bits in (5, 6) and not (qt.qtype == "Q6_K" and q6k_avx2):
         b = f.bits - 4
         g = 4 if f.bits == 5 else 2  # k-steps per high-plane vector
         h = (t >> 4).reshape(P, S // g, g * 2, 32)  # field = 2 * step + half
@@ -188,7 +199,7 @@ def pack(qt: QuantTensor) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(rec))
 
 
-def unpack(packed: torch.Tensor, qtype: str, n: int) -> torch.Tensor:
+def unpack(packed: torch.Tensor, qtype: str, n: int, q6k_avx2: bool = False) -> torch.Tensor:
     """Inverse of pack, dequantised: uint8 [P, K / rk, rec] -> fp32 [n, K] (gguf's exact values)."""
     f = QUANT_TYPES[qtype]
     rec = packed.numpy()
@@ -206,11 +217,16 @@ def unpack(packed: torch.Tensor, qtype: str, n: int) -> torch.Tensor:
         o += nb
     lo = rec[..., o:o + _lo_bytes(f)].reshape(P, S, -1)
     o += _lo_bytes(f)
-    if f.bits == 8:
+    if qtype == "Q6_K" and q6k_avx2:
+        v = rec[..., o - _lo_bytes(f):].reshape(P, S // 2, 3, 32)
+        c3 = ((v[:, :, 0] >> 6) | ((v[:, :, 1] >> 6) << 2) | ((v[:, :, 2] >> 6) << 4))
+        t = np.stack([v[:, :, 0] & 0x3F, v[:, :, 1] & 0x3F, v[:, :, 2] & 0x3F, c3], axis=2)
+        t = t.reshape(P, S, 2, 32)
+    elif f.bits == 8:
         t = lo.reshape(P, S, 2, 32).copy()
     else:
         t = np.stack([lo & 0x0F, lo >> 4], axis=2)  # [P, S, half, 32]
-    if f.bits in (5, 6):
+    if f.bits in (5, 6) and not (qtype == "Q6_K" and q6k_avx2):
         b = f.bits - 4
         g = 4 if f.bits == 5 else 2
         h = rec[..., o:o + _hi_bytes(f)].reshape(P, S // g, 1, 32)
@@ -239,12 +255,14 @@ class QuantWeight:
     n: int
     k: int
     dtype: str = "native"
+    fids: tuple[int, ...] = ()  # the kernel's format of each packed segment (Q6_K may be Q6_K2)
 
     @property
     def dense(self) -> torch.Tensor:
         if self.fallback is not None:
             return self.fallback
-        return torch.cat([unpack(p, qt, n) for p, (qt, n) in zip(self.packed, self.segments)])
+        return torch.cat([unpack(p, qt, n, fid == Q6_K2_FID)
+                          for p, (qt, n), fid in zip(self.packed, self.segments, self.fids)])
 
     @property
     def nbytes(self) -> int:
@@ -268,7 +286,10 @@ def prepare_quant(parts: list[QuantTensor]) -> QuantWeight:
     segs = tuple((p.qtype, p.shape[0]) for p in parts)
     n = sum(s[1] for s in segs)
     if os.environ.get("SPECDEC_KERNEL") != "torch" and kernel_available() and _qext() is not None:
-        return QuantWeight(segs, [pack(p) for p in parts], None, n, k)
+        # Q6_K in the AVX2 routine's layout wherever that routine is the one that runs
+        avx2 = os.environ.get("SPECDEC_KERNEL") == "avx2" or _qext().best_isa() == 2
+        fids = tuple(Q6_K2_FID if avx2 and p.qtype == "Q6_K" else QUANT_TYPES[p.qtype].fid for p in parts)
+        return QuantWeight(segs, [pack(p, avx2) for p in parts], None, n, k, fids=fids)
     return QuantWeight(segs, None, torch.cat([p.dequantize() for p in parts]), n, k)
 
 
@@ -341,7 +362,7 @@ def linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) ->
     if (w.packed is not None and mode != "torch" and x.is_cpu
             and x.dtype == torch.float32 and not x.requires_grad):
         if w.__dict__.get("_args") is None:  # per-call list building costs ~1 us: build once
-            object.__setattr__(w, "_args", ([QUANT_TYPES[s[0]].fid for s in w.segments],
+            object.__setattr__(w, "_args", (list(w.fids),
                                             [s[1] for s in w.segments]))
         fmts, ns = w.__dict__["_args"]
         return _ext.qlinear(x, w.packed, fmts, ns, bias, torch.get_num_threads(), 2 if mode == "avx2" else 0)
