@@ -26,8 +26,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["QUANT_TYPES", "Q6_K2_FID", "QuantTensor", "QuantWeight", "prepare_quant", "linear", "pack", "unpack",
-           "quantise_activations", "activation_block", "requantise"]
+__all__ = ["QUANT_TYPES", "Q6_K2_FID", "QuantTensor", "QuantWeight", "prepare_quant", "linear", "pack",
+           "unpack", "quantise_activations", "activation_block", "requantise"]
 
 NR = 16  # outputs per panel; must match NR in qlinear.cpp
 
@@ -215,10 +215,11 @@ def unpack(packed: torch.Tensor, qtype: str, n: int, q6k_avx2: bool = False) -> 
         a = np.ascontiguousarray(rec[..., o:o + nb]).view(dt).reshape(P, nrec, c, NR)
         fields.append(a.transpose(0, 3, 1, 2).reshape(P * NR, nrec, c))
         o += nb
+    planes = o
     lo = rec[..., o:o + _lo_bytes(f)].reshape(P, S, -1)
     o += _lo_bytes(f)
-    if qtype == "Q6_K" and q6k_avx2:
-        v = rec[..., o - _lo_bytes(f):].reshape(P, S // 2, 3, 32)
+    if qtype == "Q6_K" and q6k_avx2:  # k-step pairs of three vectors, through the record's end
+        v = rec[..., planes:].reshape(P, S // 2, 3, 32)
         c3 = ((v[:, :, 0] >> 6) | ((v[:, :, 1] >> 6) << 2) | ((v[:, :, 2] >> 6) << 4))
         t = np.stack([v[:, :, 0] & 0x3F, v[:, :, 1] & 0x3F, v[:, :, 2] & 0x3F, c3], axis=2)
         t = t.reshape(P, S, 2, 32)
