@@ -110,12 +110,12 @@ inline void rope_rot(const float* x, const float* c, const float* s, float* y, i
 // n; each output lane one FMA chain over the slots in order, times 1 / sum.  So the bits are the
 // same whatever the tile holds; only the loop nest differs: each key and value row is loaded once
 // for the tile, not once per query.  (At T = 5 a Qwen 1.5B KV head has 30 queries, and their
-// re-reads of its keys and values, from L2, were most of the attention time.)  NT <= 6 keeps the
-// score pass at 2 x 6 and the output pass at 6 x 2 independent FMA chains, enough to hide the
-// FMA latency (with 8 the chains were the bound), in 15 of the 16 ymm registers; every loop
-// over the tile is unrolled, or GCC keeps the accumulators in memory (a store per slot).
-// Hot in cache, one thread, Qwen shapes (D = 128, 200 slots): 27.6 cycles per query and slot,
-// 48 before (NT = 4, the accumulators stored every slot).
+// re-reads of its keys and values, from L2, were most of the attention time.)  NT <= 6 gives the
+// score pass 2 x 6 and the output pass 6 x 2 independent FMA chains (12 in flight hide the FMA
+// latency; 8 barely do) in 15 of the 16 ymm registers; every loop over the tile is unrolled, or
+// GCC keeps the accumulators in memory (a store per slot).  Hot in cache, one thread, Qwen
+// shapes (D = 128, 200 slots), cycles per query and slot: 48 (NT = 4, accumulators stored every
+// slot), 34 (NT = 4 unrolled), 27.6 (NT = 6 unrolled).
 // q: the tile's rotated queries [NT][D]; sc, e: [NT][n8] scratch (n8 = max n rounded up to 8).
 template <int NT>
 void attend_tile(const float* q, const int64_t* n, int64_t D, const float* kb, int64_t ks, const float* vb,
