@@ -10,6 +10,10 @@ baseline.  A table, then one JSON line.
 
     .venv/bin/python benchmarks/ab_forward.py --kernel qlinear /tmp/old.cpp specdec/kernels/qlinear.cpp
         [--model qwen2.5-coder-1.5b] [--width 5] [--repeats 15] [--threads 2] [--context 200]
+
+`--kernel fused --attention-only` times just the attention calls of one forward (one per layer,
+the model's shapes, each layer its own random cache; a 256 MB write between passes evicts the
+caches as the rest of a forward would), for changes too small to see in a whole forward here.
 """
 
 from __future__ import annotations
@@ -52,9 +56,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--context", type=int, default=200)
+    ap.add_argument("--attention-only", action="store_true", help="--kernel fused: time attend alone")
     args = ap.parse_args()
     if args.width < 2 or args.repeats < 1 or args.threads < 1 or args.context < 1:
         ap.error("--width must be >= 2, --repeats, --threads and --context >= 1")
+    if args.attention_only and args.kernel != "fused":
+        ap.error("--attention-only needs --kernel fused")
     torch.set_num_threads(args.threads)
 
     from specdec.api import load_model
@@ -66,11 +73,19 @@ def main() -> None:
         model, _ = load_model(args.model, dtype="native", device="cpu")
         cache = model.new_cache(1, args.context + args.width + 8)
         g = torch.Generator().manual_seed(0)
-        model.forward(torch.randint(0, 1000, (1, args.context), generator=g),
-                      torch.arange(args.context)[None], cache)
-        cache.advance(0, args.context)
         widths = (1, args.width)
         times = {(e, w): [] for e in range(len(exts)) for w in widths}
+        if args.attention_only:
+            a = model.args
+            H, Hkv, D = a.n_heads, a.n_kv_heads, a.head_dim
+            kvs = [(torch.randn(1, Hkv, args.context + args.width + 8, D, generator=g),
+                    torch.randn(1, Hkv, args.context + args.width + 8, D, generator=g)) for _ in range(a.n_layers)]
+            qkv = {w: torch.randn(1, w, (H + 2 * Hkv) * D, generator=g) for w in widths}
+            flush = torch.zeros(64 << 20)
+        else:
+            model.forward(torch.randint(0, 1000, (1, args.context), generator=g),
+                          torch.arange(args.context)[None], cache)
+            cache.advance(0, args.context)
         for rep in range(args.repeats + 1):  # repeat 0 warms up
             order = list(range(len(exts)))[::-1 if rep % 2 else 1]
             for e in order:
@@ -78,23 +93,32 @@ def main() -> None:
                 for w in widths:
                     toks = torch.randint(0, 1000, (1, w), generator=g)
                     pos = torch.arange(args.context, args.context + w)[None]
-                    t0 = time.perf_counter()
-                    model.forward(toks, pos, cache)  # KV written past the context, never advanced
+                    if args.attention_only:
+                        flush.add_(1.0)
+                        step = fused.plan(pos, None, None, model.cos, model.sin)
+                        t0 = time.perf_counter()
+                        for kc, vc in kvs:
+                            fused.attend(step, qkv[w], kc, vc, H, Hkv)
+                    else:
+                        t0 = time.perf_counter()
+                        model.forward(toks, pos, cache)  # KV written past the context, never advanced
                     if rep:
                         times[e, w].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     T = args.width
-    print(f"{args.model}, --dtype native, {args.threads} threads, {args.context}-token cache, "
+    what = "attention calls of one forward" if args.attention_only else "--dtype native"
+    print(f"{args.model}, {what}, {args.threads} threads, {args.context}-token cache, "
           f"median of {args.repeats}, builds alternating in one process")
     print(f"| source | T=1 | T={T} | T={T}/T=1 |")
     print("|---|---|---|---|")
     rows = []
     for e, s in enumerate(args.sources):
         a, b = med[e, 1], med[e, T]
-        print(f"| {s} | {a:.1f} ms ({a / med[0, 1]:.3f}x) | {b:.1f} ms ({b / med[0, T]:.3f}x) | {b / a:.3f} |")
+        print(f"| {s} | {a:.2f} ms ({a / med[0, 1]:.3f}x) | {b:.2f} ms ({b / med[0, T]:.3f}x) | {b / a:.3f} |")
         rows.append({"source": s, "t1_ms": a, f"t{T}_ms": b, "t1_vs_base": a / med[0, 1],
                      f"t{T}_vs_base": b / med[0, T], "ratio": b / a})
     print(json.dumps({"benchmark": "ab_forward", "kernel": args.kernel, "model": args.model,
+                      "attention_only": args.attention_only,
                       "threads": args.threads, "width": T, "repeats": args.repeats, "results": rows}))
 
 
