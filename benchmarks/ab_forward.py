@@ -71,7 +71,6 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="specdec_ab_") as tmp:
         exts = [build(s, args.kernel, Path(tmp)) for s in args.sources]
         model, _ = load_model(args.model, dtype="native", device="cpu")
-        cache = model.new_cache(1, args.context + args.width + 8)
         g = torch.Generator().manual_seed(0)
         widths = (1, args.width)
         times = {(e, w): [] for e in range(len(exts)) for w in widths}
@@ -83,6 +82,7 @@ def main() -> None:
             qkv = {w: torch.randn(1, w, (H + 2 * Hkv) * D, generator=g) for w in widths}
             flush = torch.zeros(64 << 20)
         else:
+            cache = model.new_cache(1, args.context + args.width + 8)
             model.forward(torch.randint(0, 1000, (1, args.context), generator=g),
                           torch.arange(args.context)[None], cache)
             cache.advance(0, args.context)
@@ -91,7 +91,6 @@ def main() -> None:
             for e in order:
                 module._ext = exts[e]
                 for w in widths:
-                    toks = torch.randint(0, 1000, (1, w), generator=g)
                     pos = torch.arange(args.context, args.context + w)[None]
                     if args.attention_only:
                         flush.add_(1.0)
@@ -100,6 +99,7 @@ def main() -> None:
                         for kc, vc in kvs:
                             fused.attend(step, qkv[w], kc, vc, H, Hkv)
                     else:
+                        toks = torch.randint(0, 1000, (1, w), generator=g)
                         t0 = time.perf_counter()
                         model.forward(toks, pos, cache)  # KV written past the context, never advanced
                     if rep:

@@ -144,7 +144,7 @@ def _build_dir() -> Path:
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]  # linear.cpp, qlinear.cpp
 
 
-def _load_extension(name: str, sources: list[str], verbose: bool = False):
+def _load_extension(name: str, sources: list[str], verbose: bool = False, cflags: list[str] = CFLAGS):
     """Compile/load one C++ extension from this folder (cached on disk); None on failure."""
     try:
         from torch.utils import cpp_extension
@@ -158,7 +158,7 @@ def _load_extension(name: str, sources: list[str], verbose: bool = False):
         return cpp_extension.load(
             name=name,
             sources=[str(_SRC.with_name(s)) for s in sources],
-            extra_cflags=CFLAGS,
+            extra_cflags=cflags,
             extra_ldflags=["-fopenmp"],
             build_directory=str(bdir),
             verbose=verbose,

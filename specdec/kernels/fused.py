@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -45,21 +43,7 @@ def build(verbose: bool = False):
     if not kernels._cpu_has_avx2_fma():
         log.warning("specdec.kernels.fused: CPU lacks AVX2+FMA; using the torch fallback")
         return None
-    try:
-        from torch.utils import cpp_extension
-
-        bindir = os.path.dirname(sys.executable)  # ninja sits next to a venv's interpreter
-        if bindir not in os.environ.get("PATH", "").split(os.pathsep):
-            os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-        bdir = kernels._build_dir() / "specdec_fused"
-        bdir.mkdir(parents=True, exist_ok=True)
-        _ext = cpp_extension.load(name="specdec_fused", sources=[str(Path(__file__).with_name("fused.cpp"))],
-                                  extra_cflags=CFLAGS,
-                                  extra_ldflags=["-fopenmp"], build_directory=str(bdir), verbose=verbose)
-    except Exception as e:  # noqa: BLE001 -- any build failure means "fall back"
-        lines = str(e).strip().splitlines()
-        log.warning("specdec.kernels.fused: build failed, using the torch fallback: %s",
-                    lines[-1] if lines else type(e).__name__)
+    _ext = kernels._load_extension("specdec_fused", ["fused.cpp"], verbose, CFLAGS)
     return _ext
 
 

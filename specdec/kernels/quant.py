@@ -166,6 +166,7 @@ def pack(qt: QuantTensor, q6k_avx2: bool = False) -> torch.Tensor:
     q6k_avx2: a Q6_K tensor's codes in the Q6_K2 layout (k-step pairs of three vectors, each
     byte a whole code plus two bits of the pair's fourth code) instead of low + high planes."""
     f = QUANT_TYPES[qt.qtype]
+    pairs = qt.qtype == "Q6_K" and q6k_avx2
     n, k = qt.shape
     q, fields = _decode_blocks(qt)
     P = -(-n // NR)
@@ -180,7 +181,7 @@ def pack(qt: QuantTensor, q6k_avx2: bool = False) -> torch.Tensor:
     t = q.reshape(P, 2, 8, S, 4).transpose(0, 3, 1, 2, 4).reshape(P, S, 2, 32)  # [P, S, half, 32]
     if f.bits == 8:
         parts.append(t.reshape(P, nrec, -1))
-    elif qt.qtype == "Q6_K" and q6k_avx2:
+    elif pairs:
         u = t.reshape(P, S // 2, 2, 2, 32)  # [P, pair, step, half, 32]
         c3 = u[:, :, 1, 1]
         v = [u[:, :, 0, 0] | ((c3 & 3) << 6), u[:, :, 0, 1] | (((c3 >> 2) & 3) << 6),
@@ -188,7 +189,7 @@ def pack(qt: QuantTensor, q6k_avx2: bool = False) -> torch.Tensor:
         parts.append(np.stack(v, axis=2).astype(np.uint8).reshape(P, nrec, -1))
     else:
         parts.append(((t[:, :, 0] & 0x0F) | ((t[:, :, 1] & 0x0F) << 4)).reshape(P, nrec, -1))
-    if f.bits in (5, 6) and not (qt.qtype == "Q6_K" and q6k_avx2):
+    if f.bits in (5, 6) and not pairs:
         b = f.bits - 4
         g = 4 if f.bits == 5 else 2  # k-steps per high-plane vector
         h = (t >> 4).reshape(P, S // g, g * 2, 32)  # field = 2 * step + half
@@ -202,6 +203,7 @@ def pack(qt: QuantTensor, q6k_avx2: bool = False) -> torch.Tensor:
 def unpack(packed: torch.Tensor, qtype: str, n: int, q6k_avx2: bool = False) -> torch.Tensor:
     """Inverse of pack, dequantised: uint8 [P, K / rk, rec] -> fp32 [n, K] (gguf's exact values)."""
     f = QUANT_TYPES[qtype]
+    pairs = qtype == "Q6_K" and q6k_avx2
     rec = packed.numpy()
     P, nrec, _ = rec.shape
     k = nrec * f.rk
@@ -218,7 +220,7 @@ def unpack(packed: torch.Tensor, qtype: str, n: int, q6k_avx2: bool = False) -> 
     planes = o
     lo = rec[..., o:o + _lo_bytes(f)].reshape(P, S, -1)
     o += _lo_bytes(f)
-    if qtype == "Q6_K" and q6k_avx2:  # k-step pairs of three vectors, through the record's end
+    if pairs:  # k-step pairs of three vectors, through the record's end
         v = rec[..., planes:].reshape(P, S // 2, 3, 32)
         c3 = ((v[:, :, 0] >> 6) | ((v[:, :, 1] >> 6) << 2) | ((v[:, :, 2] >> 6) << 4))
         t = np.stack([v[:, :, 0] & 0x3F, v[:, :, 1] & 0x3F, v[:, :, 2] & 0x3F, c3], axis=2)
@@ -227,7 +229,7 @@ def unpack(packed: torch.Tensor, qtype: str, n: int, q6k_avx2: bool = False) -> 
         t = lo.reshape(P, S, 2, 32).copy()
     else:
         t = np.stack([lo & 0x0F, lo >> 4], axis=2)  # [P, S, half, 32]
-    if f.bits in (5, 6) and not (qtype == "Q6_K" and q6k_avx2):
+    if f.bits in (5, 6) and not pairs:
         b = f.bits - 4
         g = 4 if f.bits == 5 else 2
         h = rec[..., o:o + _hi_bytes(f)].reshape(P, S // g, 1, 32)
