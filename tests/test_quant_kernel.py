@@ -281,11 +281,13 @@ def test_quantise_activations_matches_kernel_rounding():
 
 
 @pytest.mark.skipif(not have_kernel(), reason="no C++ kernel on this CPU")
-def test_kernel_activation_quantiser_matches_torch_random():
+@pytest.mark.parametrize("k", [256, 2048])
+def test_kernel_activation_quantiser_matches_torch_random(k):
     """The kernel's vectorised quantiser (max, round-to-even, int8 packing, sums) against the
     torch definition, on identity-like Q8_0 rows: random blocks of every magnitude, exact
-    halves, all-zero blocks, M = 1..7.  A lane-order or rounding slip changes y."""
-    k = 256
+    halves, all-zero blocks, M = 1..7.  A lane-order or rounding slip changes y.  At k = 2048
+    most calls have M * K >= 8192, where the threads split the blocks between them: one
+    thread's share quantised wrongly or twice changes y too."""
     raw = np.zeros((k, k // 32, 34), np.uint8)
     raw[..., :2] = np.array([1.0], np.float16).view(np.uint8)
     for i in range(k):
@@ -300,7 +302,11 @@ def test_kernel_activation_quantiser_matches_torch_random():
             x = (x * 4).round() / 4  # many x * 127 / amax on exact halves
         if trial % 4 == 0:
             x[:, 32:64] = 0
-        assert torch.equal(K.linear(x, qw), Q.quantise_activations(x)), trial
+        ref = Q.quantise_activations(x)
+        assert torch.equal(K.linear(x, qw), ref), trial
+        if have_kernel():
+            for nt in (1, 2, 3):
+                assert torch.equal(Q._ext.qlinear(x, qw.packed, list(qw.fids), [k], None, nt, 2), ref), (trial, nt)
 
 
 def identity_kquant(qtype: str, k: int) -> Q.QuantTensor:
@@ -328,14 +334,15 @@ def identity_kquant(qtype: str, k: int) -> Q.QuantTensor:
 
 @pytest.mark.skipif(not have_kernel(), reason="no C++ kernel on this CPU")
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
-def test_kernel_256_block_quantiser_matches_torch(qtype):
+@pytest.mark.parametrize("k", [512, 2048])
+def test_kernel_256_block_quantiser_matches_torch(qtype, k):
     """The K-quant path's activation side (blocks of 256 with per-32 power-of-two refinements,
     the shifts folded into integer sums, Q6_K's -32 * sum(sc * S16) term through the int16 pairs
     of 16-element sums) on identity weights returns x^ itself, bit for bit, as
     `quantise_activations(x, 256)` defines it; a 32-element quantiser would not.  The 32-blocks'
     magnitudes vary up to ~1000x, so every exponent occurs.  (With sc = 1 and mins 0 this does
-    not check the scale and min indexing: the random-block tests above do, within their bound.)"""
-    k = 512
+    not check the scale and min indexing: the random-block tests above do, within their bound.)
+    At k = 2048 the calls from M = 4 on split the quantisation over the threads."""
     qw = Q.prepare_quant([identity_kquant(qtype, k)])
     g = torch.Generator().manual_seed(1)
     differs = 0
@@ -351,7 +358,8 @@ def test_kernel_256_block_quantiser_matches_torch(qtype):
         assert torch.equal(y, Q.quantise_activations(x, 256)), trial
         differs += not torch.equal(y, Q.quantise_activations(x, 32))
         for isa in isas():
-            assert torch.equal(Q._ext.qlinear(x, qw.packed, list(qw.fids), [k], None, 2, isa), y)
+            for nt in (2, 3):
+                assert torch.equal(Q._ext.qlinear(x, qw.packed, list(qw.fids), [k], None, nt, isa), y)
     assert differs >= 25, differs  # (a few trials round to all zeros at the smallest scale)
 
 

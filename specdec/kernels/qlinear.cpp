@@ -63,6 +63,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -636,8 +637,10 @@ int64_t record_k(int64_t fmt) { return fmt == Q4_K || fmt == Q6_K || fmt == Q6_K
 // nearbyint does.
 constexpr float kTiny = 7.888609052210118e-31f;  // 2^-100
 
+// Blocks u0 .. u1-1 of the M * (K / B) (row-major: block u is row u / (K / B)); each block's
+// outputs depend on its own 32 or 256 inputs only, so threads may split the blocks freely.
 template <int B>
-void quantise_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, int32_t* s32,
+void quantise_rows(const float* x, int64_t K, int64_t u0, int64_t u1, int8_t* xq, float* dx, int32_t* s32,
                    float* dxs32, int32_t* sh, int32_t* sp16, int32_t* tp, int32_t* cq) {
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo packs' lane interleave
@@ -650,8 +653,8 @@ void quantise_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, 
   auto pair = [](int32_t lo, int32_t hi) {
     return static_cast<int32_t>((static_cast<uint32_t>(lo) & 0xFFFFu) | (static_cast<uint32_t>(hi) << 16));
   };
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < K / B; ++b) {
+  for (int64_t u = u0; u < u1; ++u) {
+      const int64_t m = u / (K / B), b = u % (K / B);
       const float* v = x + m * K + b * B;
       float a32[B / 32];
       int32_t T[B / 32];
@@ -756,10 +759,20 @@ torch::Tensor qlinear(const torch::Tensor& x_in, const std::vector<torch::Tensor
   const int64_t n32 = M * K / 32;
   std::vector<int32_t> s32(need32 ? n32 : 0), sh(need256 ? n32 : 0), sp16(need256 ? n32 : 0), tp(need256 ? n32 / 2 : 0), cq(need256 ? 2 * n32 : 0);
   std::vector<float> dx(need32 ? n32 : 0), dxs32(need32 ? n32 : 0), dx8(need256 ? M * K / 256 : 0);
-  if (need32)
-    quantise_rows<32>(x.data_ptr<float>(), M, K, xq.data(), dx.data(), s32.data(), dxs32.data(), nullptr, nullptr, nullptr, nullptr);
-  if (need256)
-    quantise_rows<256>(x.data_ptr<float>(), M, K, xq8.data(), dx8.data(), nullptr, nullptr, sh.data(), sp16.data(), tp.data(), cq.data());
+  // Thread t of nth quantises its share of the blocks of each size the call needs.
+  const float* xp = x.data_ptr<float>();
+  auto quantise = [&](int64_t t, int64_t nth) {
+    if (need32) {
+      const int64_t nb = M * K / 32;
+      quantise_rows<32>(xp, K, nb * t / nth, nb * (t + 1) / nth, xq.data(), dx.data(), s32.data(), dxs32.data(),
+                        nullptr, nullptr, nullptr, nullptr);
+    }
+    if (need256) {
+      const int64_t nb = M * K / 256;
+      quantise_rows<256>(xp, K, nb * t / nth, nb * (t + 1) / nth, xq8.data(), dx8.data(), nullptr, nullptr,
+                         sh.data(), sp16.data(), tp.data(), cq.data());
+    }
+  };
   const int64_t MR = isa == 512 ? kMrAvx512 : kMrAvx2, ng = (M + MR - 1) / MR;
   std::vector<int64_t> grp(ng + 1);
   for (int64_t g = 0; g <= ng; ++g) grp[g] = g * M / ng;
@@ -767,18 +780,30 @@ torch::Tensor qlinear(const torch::Tensor& x_in, const std::vector<torch::Tensor
               grp.data(), ng};
   float* op = out.data_ptr<float>();
   const int nt = static_cast<int>(std::max<int64_t>(1, nthreads));
-  const int64_t chunk = std::max<int64_t>(1, panels / (8 * nt));  // ~8 chunks per thread
   int64_t bytes = 0;
   for (size_t i = 0; i < packed.size(); ++i) bytes += packed[i].numel();
-  // Dynamic schedule over contiguous chunks of panels (each thread streams runs of `chunk`
-  // panels): a thread on a core slowed by other load takes fewer chunks instead of holding the
-  // others up.  A weight under 1 MiB is split statically: its chunks are a few panels each, and
-  // handing them out cost more than it saved (SmolLM2-135M forward(1), one-process A/B of the
-  // two builds: 0.935x the time with every matmul static).  Which thread computes a panel never
-  // changes its bits.
+  // Shrinking chunks of contiguous panels, taken from a shared counter: each take is
+  // 1 / (4 nt) of the panels left (at least one panel), so a thread streams long runs at
+  // first, a thread on a core slowed by other load takes fewer of them, and the last
+  // takes are single panels: the threads finish within about one panel of each other.
+  // (Fixed chunks of panels / (8 nt) left a thread idle for up to a chunk at the end of
+  // each call, ~75 us of a 1.2 ms Qwen 1.5B gate_up call at M = 5.)  A weight under
+  // 1 MiB is split statically: its chunks are a few panels each, and handing them out cost
+  // more than it saved (SmolLM2-135M forward(1), one-process A/B of the two builds: 0.935x
+  // the time with every matmul static).  Which thread computes a panel never changes its bits.
   const bool dyn = bytes >= (1 << 20);
+  // The activations are quantised inside the parallel region, split over the threads, from
+  // 8192 elements (~3 us on one thread; a Qwen 1.5B ffn_down input at M = 5 is 44800, ~16
+  // us), then a barrier; below that the first thread does them alone before the region.
+  const bool par_q = nt > 1 && M * K >= 8192;
+  if (!par_q) quantise(0, 1);
+  std::atomic<int64_t> next{0};
 #pragma omp parallel num_threads(nt)
   {
+    if (par_q) {
+      quantise(omp_get_thread_num(), omp_get_num_threads());
+#pragma omp barrier
+    }
     std::vector<float> acc(M * NR);
     size_t seg = 0;
     auto one = [&](int64_t gp) {
@@ -800,8 +825,14 @@ torch::Tensor qlinear(const torch::Tensor& x_in, const std::vector<torch::Tensor
       }
     };
     if (dyn) {
-#pragma omp for schedule(dynamic, chunk)
-      for (int64_t gp = 0; gp < panels; ++gp) one(gp);
+      const int64_t div = 4 * static_cast<int64_t>(omp_get_num_threads());
+      int64_t p0 = next.load(std::memory_order_relaxed);
+      while (p0 < panels) {
+        const int64_t c = std::max<int64_t>(1, (panels - p0) / div);
+        if (!next.compare_exchange_weak(p0, p0 + c, std::memory_order_relaxed)) continue;  // p0 reloaded
+        for (int64_t gp = p0; gp < std::min(panels, p0 + c); ++gp) one(gp);
+        p0 = next.load(std::memory_order_relaxed);
+      }
     } else {
 #pragma omp for schedule(static)
       for (int64_t gp = 0; gp < panels; ++gp) one(gp);
