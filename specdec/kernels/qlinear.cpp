@@ -654,57 +654,57 @@ void quantise_rows(const float* x, int64_t K, int64_t u0, int64_t u1, int8_t* xq
     return static_cast<int32_t>((static_cast<uint32_t>(lo) & 0xFFFFu) | (static_cast<uint32_t>(hi) << 16));
   };
   for (int64_t u = u0; u < u1; ++u) {
-      const int64_t m = u / (K / B), b = u % (K / B);
-      const float* v = x + m * K + b * B;
-      float a32[B / 32];
-      int32_t T[B / 32];
-      for (int c = 0; c < B / 32; ++c) {
-        __m256 mx = _mm256_setzero_ps();
-        for (int i = 0; i < 32; i += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(v + 32 * c + i), absmask));
-        a32[c] = hmax(mx);
-      }
-      float amax = a32[0];
-      for (int c = 1; c < B / 32; ++c) amax = std::max(amax, a32[c]);
-      // A block below 2^-100 (~8e-31) is all zeros: its reciprocal times 2^XE could overflow,
-      // and d * 2^-XE would be subnormal (inexact).  quant.py does the same.
-      if (!(amax >= kTiny)) amax = 0.f;
-      const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
-      for (int c = 0; c < B / 32; ++c) {
-        int e = 0;
-        if constexpr (B == 256)
-          while (e < XE && a32[c] * static_cast<float>(2 << e) <= amax) ++e;
-        const __m256 idv = _mm256_set1_ps(id * static_cast<float>(1 << e));
-        __m256i q[4];
-        for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 32 * c + 8 * i), idv));
-        const __m256i bytes = _mm256_permutevar8x32_epi32(
-            _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + m * K + b * B + 32 * c), bytes);
-        int s[2];
-        for (int h = 0; h < 2; ++h) {
-          const __m256i t = _mm256_add_epi32(q[2 * h], q[2 * h + 1]);
-          __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
-          if constexpr (B == 256) {  // lanes k = 0, 1 and 2, 3 mod 4 of this 16-k half
-            const __m128i ab = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0xB1));
-            cq[(m * K + b * B) / 16 + 2 * c + h] = pair(32 * _mm_cvtsi128_si32(ab), 32 * _mm_extract_epi32(ab, 2));
-          }
-          u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0x4E));
-          u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0xB1));
-          s[h] = _mm_cvtsi128_si32(u);
-        }
-        const int64_t i32 = (m * K + b * B) / 32 + c;
-        if constexpr (B == 32) {
-          s32[i32] = s[0] + s[1];
-          dxs32[i32] = d * static_cast<float>(s[0] + s[1]);
-        } else {
-          sh[i32] = XE - e;
-          T[c] = (s[0] + s[1]) * (1 << (XE - e));
-          sp16[i32] = pair(s[0], s[1]);
-        }
-      }
-      dx[m * (K / B) + b] = B == 32 ? d : d * (1.f / (1 << XE));
-      if constexpr (B == 256)
-        for (int i = 0; i < 4; ++i) tp[(m * K + b * B) / 64 + i] = pair(T[2 * i], T[2 * i + 1]);
+    const int64_t m = u / (K / B), b = u % (K / B);
+    const float* v = x + m * K + b * B;
+    float a32[B / 32];
+    int32_t T[B / 32];
+    for (int c = 0; c < B / 32; ++c) {
+      __m256 mx = _mm256_setzero_ps();
+      for (int i = 0; i < 32; i += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(v + 32 * c + i), absmask));
+      a32[c] = hmax(mx);
     }
+    float amax = a32[0];
+    for (int c = 1; c < B / 32; ++c) amax = std::max(amax, a32[c]);
+    // A block below 2^-100 (~8e-31) is all zeros: its reciprocal times 2^XE could overflow,
+    // and d * 2^-XE would be subnormal (inexact).  quant.py does the same.
+    if (!(amax >= kTiny)) amax = 0.f;
+    const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+    for (int c = 0; c < B / 32; ++c) {
+      int e = 0;
+      if constexpr (B == 256)
+        while (e < XE && a32[c] * static_cast<float>(2 << e) <= amax) ++e;
+      const __m256 idv = _mm256_set1_ps(id * static_cast<float>(1 << e));
+      __m256i q[4];
+      for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 32 * c + 8 * i), idv));
+      const __m256i bytes = _mm256_permutevar8x32_epi32(
+          _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + m * K + b * B + 32 * c), bytes);
+      int s[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m256i t = _mm256_add_epi32(q[2 * h], q[2 * h + 1]);
+        __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+        if constexpr (B == 256) {  // lanes k = 0, 1 and 2, 3 mod 4 of this 16-k half
+          const __m128i ab = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0xB1));
+          cq[(m * K + b * B) / 16 + 2 * c + h] = pair(32 * _mm_cvtsi128_si32(ab), 32 * _mm_extract_epi32(ab, 2));
+        }
+        u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0x4E));
+        u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0xB1));
+        s[h] = _mm_cvtsi128_si32(u);
+      }
+      const int64_t i32 = (m * K + b * B) / 32 + c;
+      if constexpr (B == 32) {
+        s32[i32] = s[0] + s[1];
+        dxs32[i32] = d * static_cast<float>(s[0] + s[1]);
+      } else {
+        sh[i32] = XE - e;
+        T[c] = (s[0] + s[1]) * (1 << (XE - e));
+        sp16[i32] = pair(s[0], s[1]);
+      }
+    }
+    dx[m * (K / B) + b] = B == 32 ? d : d * (1.f / (1 << XE));
+    if constexpr (B == 256)
+      for (int i = 0; i < 4; ++i) tp[(m * K + b * B) / 64 + i] = pair(T[2 * i], T[2 * i + 1]);
+  }
 }
 
 // out[..., sum(ns)] = x[..., K] @ [W_0; W_1; ...]^T (+ bias): the segments are
