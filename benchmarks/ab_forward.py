@@ -9,7 +9,7 @@ revision: `git show HEAD~1:specdec/kernels/qlinear.cpp > /tmp/old.cpp`.  The fir
 baseline.  A table, then one JSON line.
 
     .venv/bin/python benchmarks/ab_forward.py --kernel qlinear /tmp/old.cpp specdec/kernels/qlinear.cpp
-        [--model qwen2.5-coder-1.5b] [--width 5] [--repeats 15] [--threads 2] [--context 200]
+        [--model qwen2.5-coder-1.5b] [--dtype native|q4_0] [--width 5] [--repeats 15] [--threads 2] [--context 200]
 
 `--kernel fused --attention-only` times just the attention calls of one forward (one per layer,
 the model's shapes, each layer its own random cache; a 256 MB write between passes evicts the
@@ -52,6 +52,8 @@ def main() -> None:
     ap.add_argument("sources", nargs="+", help="kernel source files; the first is the baseline")
     ap.add_argument("--kernel", choices=KERNELS, required=True)
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--dtype", choices=("native", "q4_0"), default="native",
+                    help="the GGUF's own blocks, or requantised to Q4_0 (how a draft may run)")
     ap.add_argument("--width", type=int, default=5, help="T of the wide forward (a verify of T-1 drafts)")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2)
@@ -70,7 +72,7 @@ def main() -> None:
     module = quant if args.kernel == "qlinear" else fused
     with tempfile.TemporaryDirectory(prefix="specdec_ab_") as tmp:
         exts = [build(s, args.kernel, Path(tmp)) for s in args.sources]
-        model, _ = load_model(args.model, dtype="native", device="cpu")
+        model, _ = load_model(args.model, dtype=args.dtype, device="cpu")
         g = torch.Generator().manual_seed(0)
         widths = (1, args.width)
         times = {(e, w): [] for e in range(len(exts)) for w in widths}
@@ -106,7 +108,7 @@ def main() -> None:
                         times[e, w].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     T = args.width
-    what = "attention calls of one forward" if args.attention_only else "--dtype native"
+    what = "attention calls of one forward" if args.attention_only else f"--dtype {args.dtype}"
     print(f"{args.model}, {what}, {args.threads} threads, {args.context}-token cache, "
           f"median of {args.repeats}, builds alternating in one process")
     print(f"| source | T=1 | T={T} | T={T}/T=1 |")
@@ -117,7 +119,7 @@ def main() -> None:
         print(f"| {s} | {a:.2f} ms ({a / med[0, 1]:.3f}x) | {b:.2f} ms ({b / med[0, T]:.3f}x) | {b / a:.3f} |")
         rows.append({"source": s, "t1_ms": a, f"t{T}_ms": b, "t1_vs_base": a / med[0, 1],
                      f"t{T}_vs_base": b / med[0, T], "ratio": b / a})
-    print(json.dumps({"benchmark": "ab_forward", "kernel": args.kernel, "model": args.model,
+    print(json.dumps({"benchmark": "ab_forward", "kernel": args.kernel, "model": args.model, "dtype": args.dtype,
                       "attention_only": args.attention_only,
                       "threads": args.threads, "width": T, "repeats": args.repeats, "results": rows}))
 
