@@ -264,6 +264,16 @@ constexpr int i16_steps() {
   return g < ns ? g : ns;
 }
 
+// Software prefetch of share i of a record cut into `parts` whole-line shares; pf = the record
+// + the routine's pf_ahead.  The K-quant routines spread a record's prefetches this way, one
+// share per 32-block (AVX2) or sub-block (AVX-512), instead of one burst (see panel).
+template <int F, int parts>
+inline void prefetch_share(const uint8_t* pf, int i) {
+  constexpr int step = (rec_bytes<F>() / parts + 63) / 64 * 64;
+  for (int off = 0; off < step; off += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(pf + i * step + off), _MM_HINT_T0);
+}
+
 // One record, R <= 5 rows.  The 16 outputs are two halves of 8 (one ymm each), run
 // together: each decoded weight and each broadcast x serve both halves.  (Q6_K used to run
 // the halves one after the other at R > 2, when its float epilogue per 16-k sub-block kept
@@ -273,6 +283,7 @@ constexpr int i16_steps() {
 template <int F, int R>
 struct Avx2Rows {
   static constexpr bool wide = false;
+  static constexpr int pf_ahead = 4096;  // K-quant prefetch distance, bytes (see panel)
   static constexpr int NH = 2;  // output halves
   static constexpr int G = i16_steps<F>(), NS = Traits<F>::sb / 4;
   static_assert(NS % G == 0, "k-steps per sub-block must be a multiple of the int16 run");
@@ -362,11 +373,7 @@ struct Avx2Rows {
       // Qwen rows, Q6_K M = 1 took 1.23x the time with the burst, 0.75x spread, against the
       // previous routine; two threads: Q4_K M = 1 0.86x (it had no software prefetch), Q6_K
       // M = 1 0.80x, M = 5 0.93x.
-      if (pf != nullptr) {
-        constexpr int step = (rec_bytes<F>() / nb + 63) / 64 * 64;
-        for (int off = 0; off < step; off += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(pf + jb * step + off), _MM_HINT_T0);
-      }
+      if (pf != nullptr) prefetch_share<F, nb>(pf, jb);
       __m256i c32[R][NH];  // this 32-block's sum
 #pragma GCC unroll 2
       for (int js = 0; js < spb; ++js) {
@@ -460,6 +467,7 @@ inline __m512i decode(const uint8_t* lo, const uint8_t* hi, int s) {
 template <int F, int R>
 struct Rows {  // one record, R <= 8 rows
   static constexpr bool wide = true;
+  static constexpr int pf_ahead = 6144;  // K-quant prefetch distance, bytes (see panel)
   static void run(const uint8_t* lo, const uint8_t* hi, const Act& a, int64_t m0, int64_t k0,
                   const Rec<F, true>& rs, float* acc, const uint8_t* pf) {
     constexpr int sb = Traits<F>::sb, ns = sb / 4, nsub = Traits<F>::rk / sb;
@@ -470,11 +478,8 @@ struct Rows {  // one record, R <= 8 rows
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) f[r] = _mm512_loadu_ps(acc + (m0 + r) * NR);
     for (int j = 0; j < nsub; ++j) {
-      if (kq && pf != nullptr) {  // this sub-block's share of the record, spread (see panel)
-        constexpr int step = (rec_bytes<F>() / nsub + 63) / 64 * 64;
-        for (int off = 0; off < step; off += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(pf + j * step + off), _MM_HINT_T0);
-      }
+      if constexpr (kq)
+        if (pf != nullptr) prefetch_share<F, nsub>(pf, j);
       const int64_t kb = k0 + j * sb;
       __m512i cj[R];
 #pragma GCC unroll 8
@@ -574,7 +579,7 @@ void panel(const uint8_t* p, int64_t nrec, const Act& a, int64_t M, float* acc) 
     const int64_t k0 = rec * Traits<F>::rk;
     for (int64_t g = 0; g < a.ng; ++g) {
       const int64_t m0 = a.grp[g], r = a.grp[g + 1] - m0;
-      const uint8_t* pf = g == 0 ? s + (Rows<F, 1>::wide ? 6144 : 4096) : nullptr;  // the first group prefetches
+      const uint8_t* pf = g == 0 ? s + Rows<F, 1>::pf_ahead : nullptr;  // the first group prefetches
       switch (r) {
         case 1: Rows<F, 1>::run(lo, hi, a, m0, k0, rs, acc, pf); break;
         case 2: Rows<F, 2>::run(lo, hi, a, m0, k0, rs, acc, pf); break;
@@ -838,7 +843,7 @@ torch::Tensor qlinear(const torch::Tensor& x_in, const std::vector<torch::Tensor
       while (p0 < panels) {
         const int64_t c = std::max<int64_t>(1, (panels - p0) / div);
         if (!next.compare_exchange_weak(p0, p0 + c, std::memory_order_relaxed)) continue;  // p0 reloaded
-        for (int64_t gp = p0; gp < std::min(panels, p0 + c); ++gp) one(gp);
+        for (int64_t gp = p0; gp < p0 + c; ++gp) one(gp);  // c <= panels - p0
         p0 = next.load(std::memory_order_relaxed);
       }
     } else {
