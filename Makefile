@@ -12,20 +12,28 @@ $(STAMP): pyproject.toml
 	# torch first and pinned: 2.13.0 is the CPU build on local disk (any other spec downloads GBs)
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
-	$(PY) -m specdec.kernels  # build the C++ matmul extension once (falls back to torch if it cannot)
+	$(PY) -m specdec.runtime.kernels  # build the C++ matmul extension once (falls back to torch if it cannot)
 	touch $(STAMP)
 
 install: $(STAMP)
 
 kernels: $(STAMP)
-	$(PY) -m specdec.kernels
+	$(PY) -m specdec.runtime.kernels
 
+DEMO_PROMPT := "Write a Python function that checks whether a string is a palindrome."
+
+# The same prompt twice, both at the GGUF's own quantisation: plain decoding, then the fastest
+# shipped configuration (the 0.5B draft requantised to Q4_0, k = 4), so the speed-up is on screen.
 demo: $(STAMP)
 	$(PY) -m specdec.cli models fetch qwen2.5-coder-1.5b
 	$(PY) -m specdec.cli models fetch qwen2.5-coder-0.5b
+	@echo "== plain decoding =="
+	$(PY) -m specdec.cli generate --model qwen2.5-coder-1.5b --temperature 0 --max-tokens 160 \
+	    --threads 2 $(DEMO_PROMPT)
+	@echo "== speculative decoding: draft qwen2.5-coder-0.5b (q4_0), k = 4 =="
 	$(PY) -m specdec.cli generate --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \
-	    --num-draft-tokens 5 --temperature 0 --max-tokens 160 --threads 2 --stats \
-	    "Write a Python function that checks whether a string is a palindrome."
+	    --draft-dtype q4_0 --num-draft-tokens 4 --temperature 0 --max-tokens 160 --threads 2 \
+	    --stats $(DEMO_PROMPT)
 
 test: $(STAMP)
 	$(PY) -m specdec.cli models fetch smollm2-135m

@@ -4,11 +4,11 @@
 On a shared, noisy machine two benchmark processes run minutes apart can differ by 25%; here
 the builds alternate inside one process (order reversed every repeat) on the same loaded model
 and cache, so their ratio is what a change did.  Sources are files with the same functions as
-`specdec/kernels/qlinear.cpp` (`--kernel qlinear`) or `fused.cpp` (`--kernel fused`), e.g. an old
-revision: `git show HEAD~1:specdec/kernels/qlinear.cpp > /tmp/old.cpp`.  The first source is the
+`specdec/runtime/kernels/qlinear.cpp` (`--kernel qlinear`) or `fused.cpp` (`--kernel fused`), e.g. an old
+revision: `git show HEAD~1:specdec/runtime/kernels/qlinear.cpp > /tmp/old.cpp`.  The first source is the
 baseline.  A table, then one JSON line.
 
-    .venv/bin/python benchmarks/ab_forward.py --kernel qlinear /tmp/old.cpp specdec/kernels/qlinear.cpp
+    .venv/bin/python benchmarks/ab_forward.py --kernel qlinear /tmp/old.cpp specdec/runtime/kernels/qlinear.cpp
         [--model qwen2.5-coder-1.5b] [--dtype native|q4_0] [--width 5] [--repeats 15] [--threads 2] [--context 200]
 
 `--kernel fused --attention-only` times just the attention calls of one forward (one per layer,
@@ -35,8 +35,8 @@ KERNELS = ("qlinear", "fused")
 def build(src: str, kernel: str, root: Path):
     from torch.utils import cpp_extension
 
-    from specdec import kernels
-    from specdec.kernels import fused
+    from specdec.runtime import kernels
+    from specdec.runtime.kernels import fused
 
     name = f"ab_{kernel}_{hashlib.sha256(Path(src).read_bytes()).hexdigest()[:12]}"
     d = root / name
@@ -66,8 +66,8 @@ def main() -> None:
         ap.error("--attention-only needs --kernel fused")
     torch.set_num_threads(args.threads)
 
-    from specdec.api import load_model
-    from specdec.kernels import fused, quant
+    from specdec.loader import load_model
+    from specdec.runtime.kernels import fused, quant
 
     module = quant if args.kernel == "qlinear" else fused
     with tempfile.TemporaryDirectory(prefix="specdec_ab_") as tmp:

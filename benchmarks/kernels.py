@@ -11,7 +11,7 @@
    buffer reads at ~80 or ~50 GB/s from one run to the next, so a single
    global figure is a poor yardstick.
 3. (--crossover) larger M, to see where F.linear catches up; this is what
-   MAX_KERNEL_ROWS in specdec/kernels is based on.
+   MAX_KERNEL_ROWS in specdec/runtime/kernels is based on.
 
 The dev box is a shared 2-vCPU VM: in episodes of ~10 s the host starves the
 second vCPU and every 2-thread fork/join waits 4-16 ms.  So each shape is
@@ -40,7 +40,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from specdec import kernels
+from specdec.runtime import kernels
 
 THREADS = 2
 COLD_BYTES = 128 << 20  # 4x the 32 MiB L3 of the dev box
@@ -178,7 +178,7 @@ def model_curves(names, ks=(1, 2, 4, 5, 8, 16), ctx=256, repeats=7) -> dict:
     """Whole-model forward(k) / forward(1) on a ctx-token cache through our kernel. (The torch
     fallback is not a fair baseline here: it unpacks the packed weight on every call.
     benchmarks/plain_decode.py compares whole decodes against transformers instead.)"""
-    from specdec.api import load_model
+    from specdec.loader import load_model
 
     out = {}
     for name in names:

@@ -63,28 +63,24 @@ def main():
         from llama_cpp import Llama
     except ImportError:
         raise SystemExit("llama-cpp-python is not installed: run `make bench-deps` (builds it, ~12 min)")
-    from specdec.api import check_draft_compatible, load_model
-    from specdec.config import SamplingParams
-    from specdec.engine import Engine
-    from specdec.hub import fetch
-    from specdec.prompts import humaneval
-    from specdec.proposers import DraftModelProposer
-    from specdec.proposers.ngram import NgramProposer
+    from specdec.config import SamplingParams, SpeculativeConfig
+    from specdec.loader import build_engine, load_models
+    from specdec.runtime.hub import fetch
+    from specdec.tools.prompts import humaneval
 
-    target, tok = load_model(a.model, "native", "cpu")
-    V = min(tok.vocab_size, target.args.vocab_size)
+    models = load_models(a.model, a.draft, "native", a.draft_dtype, "cpu")
+    tok = models.tokenizer
+    k = a.num_draft_tokens
     if a.draft:
-        draft, dtok = load_model(a.draft, a.draft_dtype, "cpu")
-        V = min(check_draft_compatible(tok, dtok, a.model, a.draft), V, draft.args.vocab_size)
-        proposer = DraftModelProposer(draft, V, 2048)
+        cfg = SpeculativeConfig(draft=a.draft, num_draft_tokens=k, draft_dtype=a.draft_dtype)
         spec_name = f"ours spec (draft {a.draft}, {a.draft_dtype})"
     else:
-        proposer, spec_name = NgramProposer(1, 4), "ours spec (n-gram)"
-    k = a.num_draft_tokens
+        cfg = SpeculativeConfig(proposer="ngram", num_draft_tokens=k)
+        spec_name = "ours spec (n-gram)"
     llm = Llama(model_path=str(fetch(a.model)), n_ctx=2048, n_threads=a.threads,
                 n_threads_batch=a.threads, n_batch=512, verbose=False, seed=0)
-    plain = Engine(target, tok, max_seq_len=2048, vocab_size=V)
-    spec = Engine(target, tok, proposer, num_draft_tokens=k, max_seq_len=2048, vocab_size=V)
+    plain = build_engine(models, None, max_model_len=2048)
+    spec = build_engine(models, cfg, max_model_len=2048)
     params = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
     prompts = [tok.encode_prompt(p) for p in humaneval(a.num_prompts + 1)]
 

@@ -70,16 +70,16 @@ def main():
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from specdec.api import load_model
-    from specdec.engine import Engine
-    from specdec.hub import model_path, resolve_model
+    from specdec.loader import build_engine, load_models
+    from specdec.runtime.hub import model_path, resolve_model
 
     hf_logging.set_verbosity_error()
     resolve_model(a.model)
     t0 = time.perf_counter()
-    model, tok = load_model(a.model, device="cpu")
+    models = load_models(a.model, dtype="fp32", device="cpu")  # transformers' GGUF path is fp32 too
+    tok = models.tokenizer
     load_s = time.perf_counter() - t0
-    engine = Engine(model, tok, max_seq_len=1024)
+    engine = build_engine(models, None, max_model_len=1024)
     p = model_path(a.model)
     hf = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
     ours_decode(engine, tok, PROMPTS[0], 8)  # warm-up
@@ -90,7 +90,7 @@ def main():
             ours.append(ours_decode(engine, tok, prompt, a.tokens))
             theirs.append(hf_decode(hf, torch.tensor([tok.encode_prompt(prompt)]), a.tokens))
     o, t = statistics.median(ours), statistics.median(theirs)
-    curve = verify_curve(model)
+    curve = verify_curve(models.target)
     print(f"{a.model} greedy decode, {a.threads} threads, {a.tokens} tokens, "
           f"{len(ours)} runs each (median)")
     print(f"{'engine':<28}{'tok/s':>10}")

@@ -9,7 +9,7 @@ generate on the same prompt). Speedups are per-prompt ratios to our plain decode
 median over prompts; transformers' prompt lookup is also given against transformers' plain.
 Every greedy configuration of ours must equal our plain output token for token.
 
-Sets: "copy" = edit-and-repeat tasks over HumanEval code (specdec.prompts.copy_heavy);
+Sets: "copy" = edit-and-repeat tasks over HumanEval code (specdec.tools.prompts.copy_heavy);
 "open" = our open-ended chat prompts. Models: SmolLM2-135M (no draft model exists for it: n-gram
 and adaptive n-gram) and the Qwen2.5-Coder pair (1.5B target, 0.5B draft).
 
@@ -32,28 +32,28 @@ FIXED_KS = {"smollm2": [2, 4, 8], "qwen": [2, 4, 6]}
 HF_LOOKUP_K = 4  # prompt_lookup_num_tokens for transformers (its draft length per round)
 
 
-def build_engines(target, tok, draft, V, ks):
-    from specdec.engine import Engine
-    from specdec.proposers import DraftModelProposer, NgramProposer
-    from specdec.proposers.composite import CompositeProposer
+def build_engines(models, ks):
+    from specdec.config import SpeculativeConfig
+    from specdec.loader import build_engine
 
     def eng(proposer=None, k=0):
-        return Engine(target, tok, proposer, num_draft_tokens=k, max_seq_len=2048, vocab_size=V)
+        spec = None if proposer is None else SpeculativeConfig(
+            draft=models.draft_name, proposer=proposer, num_draft_tokens=k)
+        return build_engine(models, spec, max_model_len=2048)
 
     engines = {"plain": eng()}
-    if draft is None:
+    if models.draft is None:
         for k in ks:
-            engines[f"ngram k={k}"] = eng(NgramProposer(1, 4), k)
-        engines["adaptive ngram"] = eng(NgramProposer(1, 4), "auto")
+            engines[f"ngram k={k}"] = eng("ngram", k)
+        engines["adaptive ngram"] = eng("ngram", "auto")
         return engines
-    engines["ngram k=4"] = eng(NgramProposer(1, 4), 4)
-    engines["ngram k=8"] = eng(NgramProposer(1, 4), 8)
+    engines["ngram k=4"] = eng("ngram", 4)
+    engines["ngram k=8"] = eng("ngram", 8)
     for k in ks:
-        engines[f"draft k={k}"] = eng(DraftModelProposer(draft, V, 2048), k)
-    engines["composite k=4"] = eng(CompositeProposer([NgramProposer(1, 4), DraftModelProposer(draft, V, 2048)]), 4)
-    engines["adaptive composite"] = eng(
-        CompositeProposer([NgramProposer(1, 4), DraftModelProposer(draft, V, 2048)]), "auto")
-    engines["adaptive ngram"] = eng(NgramProposer(1, 4), "auto")
+        engines[f"draft k={k}"] = eng("draft", k)
+    engines["composite k=4"] = eng("composite", 4)
+    engines["adaptive composite"] = eng("composite", "auto")
+    engines["adaptive ngram"] = eng("ngram", "auto")
     return engines
 
 
@@ -76,20 +76,16 @@ def hf_run(model, ids, n, lookup):
 
 
 def run_model(key, a):
-    from specdec.api import check_draft_compatible, load_model
     from specdec.config import SamplingParams
-    from specdec.hub import model_path
+    from specdec.loader import load_models
     from specdec.metrics import SpecStats
-    from specdec.prompts import load_prompts
+    from specdec.runtime.hub import model_path
+    from specdec.tools.prompts import load_prompts
 
     t_name, d_name = PAIRS[key]
-    target, tok = load_model(t_name, device="cpu")
-    draft = None
-    V = min(target.args.vocab_size, tok.vocab_size)
-    if d_name:
-        draft, dtok = load_model(d_name, device="cpu")
-        V = min(check_draft_compatible(tok, dtok, t_name, d_name), V, draft.args.vocab_size)
-    engines = build_engines(target, tok, draft, V, FIXED_KS[key])
+    models = load_models(t_name, d_name, "fp32", "fp32", "cpu")  # the logged runs were fp32
+    tok = models.tokenizer
+    engines = build_engines(models, FIXED_KS[key])
     hf = None
     if a.transformers:
         from transformers import AutoModelForCausalLM

@@ -27,7 +27,7 @@ def llamacpp_forward(name: str, threads: int, context: int, width: int):
     """-> f(tokens): llama.cpp's forward over `tokens` after a `context`-token prompt, rewound."""
     from llama_cpp import Llama
 
-    from specdec.hub import model_path
+    from specdec.runtime.hub import model_path
 
     llm = Llama(model_path=str(model_path(name)), n_ctx=context + width + 8, n_threads=threads,
                 n_threads_batch=threads, n_batch=512, logits_all=True, verbose=False, seed=0)
@@ -42,8 +42,8 @@ def llamacpp_forward(name: str, threads: int, context: int, width: int):
 
 def measure(name: str, widths: list[int], context: int, repeats: int, llamacpp: bool = False,
             threads: int = 2) -> dict:
-    from specdec import kernels
-    from specdec.api import load_model
+    from specdec.runtime import kernels
+    from specdec.loader import load_model
 
     model, _ = load_model(name, dtype="native", device="cpu")
     cache = model.new_cache(1, context + max(widths) + 8)

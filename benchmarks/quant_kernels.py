@@ -38,9 +38,9 @@ def main():
     torch.set_num_threads(a.threads)
     from gguf import GGUFReader
 
-    from specdec import kernels
-    from specdec.hub import is_fetched, model_path
-    from specdec.kernels import quant as Q
+    from specdec.runtime import kernels
+    from specdec.runtime.hub import is_fetched, model_path
+    from specdec.runtime.kernels import quant as Q
 
     buf = torch.ones(int(a.mb * 2**20 / 4))
     bw = []

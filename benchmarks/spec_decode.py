@@ -32,23 +32,20 @@ def main():
     ap.add_argument("--draft-dtype", default="fp32")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    from specdec.api import check_draft_compatible, load_model
-    from specdec.config import SamplingParams
-    from specdec.engine import Engine
+    from specdec.config import SamplingParams, SpeculativeConfig
+    from specdec.loader import build_engine, load_models
     from specdec.metrics import SpecStats
-    from specdec.prompts import load_prompts
-    from specdec.proposers import DraftModelProposer
+    from specdec.tools.prompts import load_prompts
 
     ks = [int(x) for x in a.ks.split(",")]
-    target, tok = load_model(a.target, a.dtype, "cpu")
-    draft, dtok = load_model(a.draft, a.draft_dtype, "cpu")
-    V = min(check_draft_compatible(tok, dtok, a.target, a.draft), target.args.vocab_size, draft.args.vocab_size)
+    models = load_models(a.target, a.draft, a.dtype, a.draft_dtype, "cpu")
+    tok = models.tokenizer
     prompts = [tok.encode_prompt(p) for p in load_prompts(a.prompts, a.num_prompts)]
     params = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
-    engines = {"plain": Engine(target, tok, max_seq_len=2048, vocab_size=V)}
+    engines = {"plain": build_engine(models, None, max_model_len=2048)}
     for k in ks:
-        engines[f"k={k}"] = Engine(target, tok, DraftModelProposer(draft, V, 2048), num_draft_tokens=k,
-                                   max_seq_len=2048, vocab_size=V)
+        engines[f"k={k}"] = build_engine(models, SpeculativeConfig(draft=a.draft, num_draft_tokens=k),
+                                         max_model_len=2048)
     engines["plain"].generate([prompts[0][:16]], SamplingParams(temperature=0, max_tokens=4))  # warm-up
     tokens = {n: 0 for n in engines}
     secs = {n: 0.0 for n in engines}

@@ -9,19 +9,27 @@ import argparse
 import json
 import sys
 
+import torch
+from rich.progress import Progress
+
+from specdec.api import LLM
+from specdec.config import DTYPES, SpeculativeConfig
 from specdec.errors import SpecdecError
+from specdec.runtime import hub
+from specdec.runtime.hub import DEFAULT_MODEL
+from specdec.tools import commands
+from specdec.tools.commands import sampling_params
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    from specdec.hub import DEFAULT_MODEL
-
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"registry name, GGUF file or HF directory (default: {DEFAULT_MODEL})")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "native", "q4_0"],
-                   help="target weight storage; bf16 rounds the target's weights, native runs the "
-                        "GGUF's own quantised blocks with int8 activations and q4_0 those blocks "
-                        "requantised to Q4_0, so all three CHANGE the model whose distribution is "
-                        "reproduced (default: fp32)")
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="target weight storage: native runs a GGUF's own quantised blocks with int8 "
+                        "activations (as llama.cpp does), fp32 dequantises them, bf16 rounds the "
+                        "weights, q4_0 requantises the blocks to Q4_0; each defines the model whose "
+                        "distribution is reproduced (default: auto = native for a GGUF, fp32 for an "
+                        "HF directory)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--max-model-len", type=int, default=4096, help="context length cap (default: 4096)")
@@ -40,10 +48,10 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-draft-tokens", type=int, default=8, help="k_max for auto (default 8)")
     p.add_argument("--draft-sampling", default="probabilistic", choices=["probabilistic", "greedy"],
                    help="draft samples from q (probabilistic) or takes its argmax (one-hot q)")
-    p.add_argument("--draft-dtype", default="fp32", choices=["fp32", "bf16", "native", "q4_0"],
+    p.add_argument("--draft-dtype", default="auto", choices=DTYPES,
                    help="draft weight storage (q4_0: its GGUF blocks requantised to Q4_0, the "
                         "fewest bytes per step); never changes the output distribution, only "
-                        "acceptance and speed")
+                        "acceptance and speed (default: auto, as --dtype)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -75,8 +83,6 @@ def build_parser() -> argparse.ArgumentParser:
     msub.add_parser("list")
     f = msub.add_parser("fetch")
     f.add_argument("name")
-    from specdec import commands
-
     v = sub.add_parser("verify", help="statistical test: is the output still exactly the target's?")
     _add_model_args(v)
     _add_spec_args(v)
@@ -90,20 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _sampling_params(a):
-    from specdec.config import SamplingParams
-
-    return SamplingParams(
-        temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
-        repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
-        frequency_penalty=a.frequency_penalty, seed=a.seed, max_tokens=a.max_tokens, stop=a.stop)
-
-
 def cmd_generate(a) -> int:
-    import torch
-
-    from specdec.api import LLM
-
     if a.threads is not None:
         if a.threads < 1:
             raise SpecdecError(f"threads={a.threads} is out of range; allowed [1, inf)")
@@ -112,11 +105,9 @@ def cmd_generate(a) -> int:
         raise SpecdecError(f"max_model_len={a.max_model_len} is out of range; allowed [2, inf)")
     if not a.prompt:
         raise SpecdecError("prompt is empty; it needs at least 1 character")
-    params = _sampling_params(a)
+    params = sampling_params(a)
     spec = None
     if a.draft is not None or a.proposer is not None:
-        from specdec.config import SpeculativeConfig
-
         spec = SpeculativeConfig(draft=a.draft, num_draft_tokens=a.num_draft_tokens,
                                  max_draft_tokens=a.max_draft_tokens,
                                  draft_sampling=a.draft_sampling, draft_dtype=a.draft_dtype,
@@ -145,15 +136,11 @@ def cmd_generate(a) -> int:
 
 
 def cmd_models(a) -> int:
-    from specdec import hub
-
     if a.models_cmd == "list":
         for name, spec in hub.REGISTRY.items():
             state = "fetched" if hub.is_fetched(name) else "not fetched"
             print(f"{name:22s} {spec.size / 1e6:7.0f} MB  {spec.quantisation:10s} {state:12s} {spec.description}")
         return 0
-    from rich.progress import Progress
-
     with Progress() as prog:
         task = prog.add_task(f"fetch {a.name}", total=None)
         path = hub.fetch(a.name, progress=lambda s: prog.update(task, description=s))
@@ -164,8 +151,6 @@ def cmd_models(a) -> int:
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     try:
-        from specdec import commands
-
         return {"generate": cmd_generate, "models": cmd_models,
                 "verify": commands.cmd_verify, "bench": commands.cmd_bench}[a.cmd](a)
     except SpecdecError as e:

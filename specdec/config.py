@@ -140,7 +140,7 @@ DEFAULT_MAX_DRAFT_TOKENS = 8  # k_max of adaptive k: past ~8 the verify cost gro
 DRAFT_SAMPLING = ("probabilistic", "greedy")
 # weight storage: fp32, bf16 (rounded), native (the GGUF's own quantised blocks), q4_0 (those
 # blocks requantised to Q4_0 where they have more bits: a cheaper, coarser draft)
-DTYPES = ("fp32", "bf16", "native", "q4_0")
+DTYPES = ("auto", "fp32", "bf16", "native", "q4_0")  # auto: native for a GGUF, else fp32
 PROPOSERS = ("draft", "ngram", "composite")
 
 
@@ -152,7 +152,7 @@ class SpeculativeConfig:
     num_draft_tokens: int | str = "auto"  # k per round, or "auto": adaptive k in [0, max_draft_tokens]
     max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS  # k_max for "auto"
     draft_sampling: str = "probabilistic"  # how the draft samples its tokens: q = full or one-hot
-    draft_dtype: str = "fp32"
+    draft_dtype: str = "auto"
     proposer: str | None = None  # draft | ngram | composite (n-gram first, then the draft model);
     # default: "draft" if a draft is given, else "ngram"
     ngram_min: int = 1
@@ -165,8 +165,6 @@ class SpeculativeConfig:
             raise SpecdecError(f"proposer={self.proposer!r}; allowed: {', '.join(PROPOSERS)}")
         if self.proposer in ("draft", "composite") and self.draft is None:
             raise SpecdecError(f"proposer={self.proposer!r} needs a draft model (--draft MODEL)")
-        from specdec.proposers.ngram import check_ngram_range
-
         check_ngram_range(self.ngram_min, self.ngram_max)
         self.num_draft_tokens = parse_num_draft_tokens(self.num_draft_tokens)
         if isinstance(self.max_draft_tokens, bool) or not isinstance(self.max_draft_tokens, int):
@@ -178,6 +176,15 @@ class SpeculativeConfig:
         if self.draft_sampling not in DRAFT_SAMPLING:
             raise SpecdecError(
                 f"draft_sampling={self.draft_sampling!r}; allowed: {', '.join(DRAFT_SAMPLING)}")
+
+
+def check_ngram_range(n_min: int, n_max: int) -> None:
+    if n_min < 1:
+        raise SpecdecError(f"ngram_min={n_min} is out of range; allowed [1, ngram_max]")
+    if n_max < n_min:
+        raise SpecdecError(f"ngram_min={n_min} > ngram_max={n_max}; need 1 <= ngram_min <= ngram_max")
+    if n_max > 64:
+        raise SpecdecError(f"ngram_max={n_max} is out of range; allowed [ngram_min, 64]")
 
 
 def parse_num_draft_tokens(value) -> int | str:

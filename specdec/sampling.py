@@ -2,7 +2,7 @@
 
 Pure functions on tensors. The same chain turns target logits into p and draft logits into q, at
 every position, so that speculative verification compares the distributions that sampling
-actually uses (PITFALLS 1). Order: penalties -> temperature -> top-k -> top-p -> min-p.
+actually uses (docs/pitfalls.md 1). Order: penalties -> temperature -> top-k -> top-p -> min-p.
 
 Penalties see each position's own prefix: `counts` [N, V] holds, for the row being scored, how
 often each token occurs in the generated output before that position (drafts included), and
@@ -72,7 +72,7 @@ def prefix_counts(base_counts: torch.Tensor, base_seen: torch.Tensor, tokens: to
     """Penalty state at each of T+1 positions when `tokens` [T] are appended one by one.
 
     base_counts [V] float, base_seen [V] bool -> counts [T + 1, V], seen [T + 1, V]: position i
-    sees tokens[:i] on top of the base state (PITFALLS 7: per accepted token, drafts included).
+    sees tokens[:i] on top of the base state (docs/pitfalls.md 7: per accepted token, drafts included).
     """
     T = tokens.shape[0]
     V = base_counts.shape[0]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specdec.config import ModelArgs
-from specdec.model import Transformer
+from specdec.runtime.model import Transformer
 
 torch.set_num_threads(2)
 
@@ -59,15 +59,15 @@ def tiny_model(seed=0, **kw) -> Transformer:
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """The converted SmolLM2-135M directory (fetched by `make test` before pytest runs)."""
-    from specdec.hub import resolve_model
+    from specdec.runtime.hub import resolve_model
 
     return resolve_model("smollm2-135m")
 
 
 @pytest.fixture(scope="session")
 def smollm2(smollm2_dir):
-    from specdec.tokenizer import Tokenizer
-    from specdec.weights import load_hf_dir
+    from specdec.runtime.tokenizer import Tokenizer
+    from specdec.runtime.weights import load_hf_dir
 
     args, state = load_hf_dir(smollm2_dir)
     return Transformer(args, state), Tokenizer.load(smollm2_dir)
@@ -81,7 +81,7 @@ def smollm2_hf(smollm2_dir):
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from specdec.hub import model_path
+    from specdec.runtime.hub import model_path
 
     hf_logging.set_verbosity_error()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -10,11 +10,12 @@ from __future__ import annotations
 import pytest
 
 from conftest import tiny_model
-from specdec.adaptive import AdaptiveK, CostCurve, FixedK, expected_tokens, k_policy
+from specdec.engine.adaptive import AdaptiveK, CostCurve, FixedK, expected_tokens, k_policy
 from specdec.config import SamplingParams
 from specdec.engine import Engine
 from specdec.proposers import DraftModelProposer, NgramProposer
 from specdec.proposers.composite import CompositeProposer
+from specdec.round import Candidate, Choice, RowResult
 
 
 def test_expected_tokens_equals_enumeration():
@@ -50,6 +51,12 @@ def test_cost_curve_interpolates_and_extrapolates():
 class _Req:
     def __init__(self, i):
         self.id = i
+
+
+def _row(req, accepted: int = 0) -> RowResult:
+    """A row's round result as the engine hands it to `accept` (only `accepted` is read here)."""
+    return RowResult(request=req, k=0, drafted=0, accepted=accepted, committed=[0], source=None,
+                     key=None, delta="")
 
 
 def _flat_cost(draft_per_token):
@@ -104,7 +111,7 @@ def test_measured_costs_drive_the_choice():
         pol.begin(r)
         for k in range(1, 7):
             pol.observe_target(1, k + 1, 1.0 + 0.02 * k)
-            pol.observe_draft(k, per_token * k)
+            pol.observe_draft_cost(k, per_token * k)
         pol.observe_target(1, 1, 1.0)
         for _ in range(40):
             pol.observe_round(r, 5, 3)  # ~0.6-0.75 per position
@@ -116,8 +123,8 @@ def _measured_policy(draft_per_token: float) -> AdaptiveK:
     pol = AdaptiveK(8)
     for k in range(1, 9):
         pol.observe_target(1, k + 1, 1.0 + 0.02 * k)
-        pol.observe_draft(k, 0.0001 * k, "ngram")
-        pol.observe_draft(k, draft_per_token * k, "draft")
+        pol.observe_draft_cost(k, 0.0001 * k, "ngram")
+        pol.observe_draft_cost(k, draft_per_token * k, "draft")
     pol.observe_target(1, 1, 1.0)
     return pol
 
@@ -162,19 +169,19 @@ def test_peek_lists_who_could_draft_and_composite_routes(smollm2):
     eng.reserve(2)
     R = eng.add_request([5, 6, 7, 8, 5, 6], SamplingParams(temperature=1.0, max_tokens=8))
     ng.begin(R)  # suffix [5, 6] occurred before, followed by 7, 8, 5, 6
-    assert ng.peek(R, 3) == [("ngram", 3, "ngram@2")] and ng.peek(R, 8) == [("ngram", 4, "ngram@2")]
+    assert ng.peek(R, 3) == [Candidate("ngram", 3, "ngram@2")] and ng.peek(R, 8) == [Candidate("ngram", 4, "ngram@2")]
     # the draft model has no KV yet: it would first feed all 6 prompt tokens
-    assert comp.peek(R, 3) == [("ngram", 3, "ngram@2"), ("draft", 3, "draft", 6)]
+    assert comp.peek(R, 3) == [Candidate("ngram", 3, "ngram@2"), Candidate("draft", 3, "draft", 6)]
     assert ng.propose([R], [8]).tokens[0].tolist() == [7, 8, 5, 6]  # what peek counted
     assert comp.propose([R], [3]).source == ["ngram"]
-    comp.accept(R, 0)
+    comp.accept(R, _row(R))
     routed = comp.propose([R], [3], only=["draft"])
     assert routed.source == ["draft"] and routed.q is not None and int(routed.num_draft[0]) == 3
-    comp.accept(R, 0)
-    assert comp.peek(R, 3)[-1] == ("draft", 3, "draft", 0)  # caught up: nothing left to feed
+    comp.accept(R, _row(R))
+    assert comp.peek(R, 3)[-1] == Candidate("draft", 3, "draft", 0)  # caught up: nothing left to feed
     R2 = eng.add_request([1, 2, 3, 4], SamplingParams(temperature=1.0, max_tokens=8))
     ng.begin(R2)  # no earlier occurrence of any suffix
-    assert ng.peek(R2, 4) == [] and comp.peek(R2, 4) == [("draft", 4, "draft", 4)]
+    assert ng.peek(R2, 4) == [] and comp.peek(R2, 4) == [Candidate("draft", 4, "draft", 4)]
 
 
 def test_choose_among_picks_the_better_proposer():
@@ -187,18 +194,18 @@ def test_choose_among_picks_the_better_proposer():
         for _ in range(10):
             pol.observe_round(r, 4, 4, good)
             pol.observe_round(r, 4, 0, bad)
-    k, src, _ = pol.choose_among(good_draft, 1, 8, [("ngram", 8), ("draft", 8)])
-    assert src == "draft" and k >= 4
-    assert pol.choose_among(good_ngram, 1, 8, [("ngram", 5), ("draft", 8)]) == (5, "ngram", "ngram")
-    assert pol.choose_among(good_ngram, 1, 8, []) == (0, None, None)
+    c = pol.choose_among(good_draft, 1, 8, [Candidate("ngram", 8), Candidate("draft", 8)])
+    assert c.source == "draft" and c.k >= 4
+    assert pol.choose_among(good_ngram, 1, 8, [Candidate("ngram", 5), Candidate("draft", 8)]) == Choice(5, "ngram", "ngram")
+    assert pol.choose_among(good_ngram, 1, 8, []) == Choice(0)
     # acceptance kept per key: long n-gram matches good, 1-token matches bad
     r = _Req(3)
     pol.begin(r)
     for _ in range(10):
         pol.observe_round(r, 4, 4, "ngram", "ngram@3")
         pol.observe_round(r, 4, 0, "ngram", "ngram@1")
-    assert pol.choose_among(r, 1, 8, [("ngram", 6, "ngram@3")])[0] == 6
-    assert pol.choose_among(r, 1, 8, [("ngram", 6, "ngram@1")])[0] == 0
+    assert pol.choose_among(r, 1, 8, [Candidate("ngram", 6, "ngram@3")]).k == 6
+    assert pol.choose_among(r, 1, 8, [Candidate("ngram", 6, "ngram@1")]).k == 0
 
 
 def test_first_draft_miss_does_not_condemn_the_continuation():
@@ -222,7 +229,7 @@ def test_first_draft_miss_does_not_condemn_the_continuation():
     # priced by verify cost growing 5% per token, that makes k = 8 the choice, not a short k
     slope = AdaptiveK(8, cost=lambda b, k: 1.0 + 0.05 * k)
     slope.pool, slope.state = pol.pool, pol.state
-    assert slope.choose_among(r, 1, 8, [("ngram", 8, "ngram@4")])[0] == 8
+    assert slope.choose_among(r, 1, 8, [Candidate("ngram", 8, "ngram@4")]).k == 8
 
 
 def test_short_match_continuation_is_the_sources():
@@ -244,9 +251,9 @@ def test_short_match_continuation_is_the_sources():
     pol, r = request(tail_ok=True)
     a = pol._alphas(r, "ngram", 8, "ngram@1")
     assert a[0] < 0.3 and min(a[1:]) > 0.85, a
-    assert pol.choose_among(r, 1, 8, [("ngram", 8, "ngram@1")])[0] == 8
+    assert pol.choose_among(r, 1, 8, [Candidate("ngram", 8, "ngram@1")]).k == 8
     pol, r = request(tail_ok=False)
-    assert pol.choose_among(r, 1, 8, [("ngram", 8, "ngram@1")])[0] <= 2
+    assert pol.choose_among(r, 1, 8, [Candidate("ngram", 8, "ngram@1")]).k <= 2
 
 
 def test_round_counted_once_per_record():
@@ -275,16 +282,16 @@ def test_draft_catch_up_priced_and_spread_over_remaining_tokens():
     for _ in range(6):
         pol.observe_round(r, 4, 4, "draft")
         pol.observe_round(r, 4, 3, "ngram", "ngram@3")
-    cands = lambda lag: [("ngram", 8, "ngram@3"), ("draft", 8, "draft", lag)]
-    assert pol.choose_among(r, 1, 8, cands(2), remaining=64)[1] == "draft"  # steady state
+    cands = lambda lag: [Candidate("ngram", 8, "ngram@3"), Candidate("draft", 8, "draft", lag)]
+    assert pol.choose_among(r, 1, 8, cands(2), remaining=64).source == "draft"  # steady state
     pol.observe_catch_up(100, 100 * 0.02)  # 0.02 s per prefilled token: no source, ignored
     assert pol.catch_up == {}
     pol.observe_catch_up(100, 100 * 0.02, "draft")  # target forward = 1 s: 0.02 per token
     assert pol.catch_up["draft"] == pytest.approx(0.02)
-    assert pol.choose_among(r, 1, 8, cands(300), remaining=64)[1] == "ngram"
-    assert pol.choose_among(r, 1, 8, cands(20), remaining=64)[1] == "draft"
-    assert pol.choose_among(r, 1, 8, cands(300), remaining=4000)[1] == "ngram"  # horizon 32
-    assert pol.choose_among(r, 1, 8, cands(300))[1] == "ngram"  # unknown remainder: all now
+    assert pol.choose_among(r, 1, 8, cands(300), remaining=64).source == "ngram"
+    assert pol.choose_among(r, 1, 8, cands(20), remaining=64).source == "draft"
+    assert pol.choose_among(r, 1, 8, cands(300), remaining=4000).source == "ngram"  # horizon 32
+    assert pol.choose_among(r, 1, 8, cands(300)).source == "ngram"  # unknown remainder: all now
     # a draft model not seen yet (prior acceptance 0.6), alone against plain decoding, with
     # the catch-up cost measured here (0.05 target forwards per token): a 300-token prefill
     # over the next 32 tokens loses, a 20-token one wins, unless the answer is about to end
@@ -292,9 +299,9 @@ def test_draft_catch_up_priced_and_spread_over_remaining_tokens():
     new.observe_catch_up(100, 100 * 0.05, "draft")
     fresh = _Req(2)
     new.begin(fresh)
-    assert new.choose_among(fresh, 1, 8, [("draft", 8, "draft", 300)], remaining=64)[0] == 0
-    assert new.choose_among(fresh, 1, 8, [("draft", 8, "draft", 20)], remaining=64)[0] > 0
-    assert new.choose_among(fresh, 1, 1, [("draft", 1, "draft", 20)], remaining=2)[0] == 0
+    assert new.choose_among(fresh, 1, 8, [Candidate("draft", 8, "draft", 300)], remaining=64).k == 0
+    assert new.choose_among(fresh, 1, 8, [Candidate("draft", 8, "draft", 20)], remaining=64).k > 0
+    assert new.choose_among(fresh, 1, 1, [Candidate("draft", 1, "draft", 20)], remaining=2).k == 0
 
 
 def test_k_policy():
@@ -336,10 +343,11 @@ def test_adaptive_greedy_equals_plain(smollm2, prompts_and_plain, kind, batched)
     eng = Engine(model, tok, _proposer(kind, model, tok), num_draft_tokens="auto", max_seq_len=512,
                  max_batch=3, max_draft_tokens=8)
     if batched:
-        got = [r.output for r in eng.generate(prompts, params)]
+        reqs = eng.generate(prompts, params)
     else:
-        got = [eng.generate([p], params)[0].output for p in prompts]
-    assert got == plain
+        reqs = [eng.generate([p], params)[0] for p in prompts]
+    assert [r.output for r in reqs] == plain
+    assert sum(r.stats.rounds for r in reqs) > 0  # drafting happened
 
 
 def test_adaptive_k_moves_with_acceptance(smollm2):

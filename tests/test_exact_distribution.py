@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 
 from conftest import tiny_model
-from distribution import engine_joint_exact, make_engine, target_joint_exact
+from engines import make_engine
+from specdec.tools.distribution import engine_joint_exact, target_joint_exact
 from specdec import rejection
 from specdec.config import SamplingParams
 

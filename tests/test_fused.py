@@ -1,4 +1,4 @@
-"""The fused per-layer ops (specdec/kernels/fused.cpp) against the torch reference beside them.
+"""The fused per-layer ops (specdec/runtime/kernels/fused.cpp) against the torch reference beside them.
 
 Tolerances: the elementwise arithmetic is the reference's operation for operation, so the residual
 add, the values written to the cache and the rotated keys are compared exactly (torch.equal).
@@ -21,8 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import tiny_model
-from specdec.kernels import fused
-from specdec.model import rope_tables
+from specdec.runtime.kernels import fused
+from specdec.runtime.model import rope_tables
 
 pytestmark = pytest.mark.skipif(not fused.available(), reason="fused extension did not build here")
 

@@ -73,7 +73,7 @@ def test_cli_bad_input_is_one_line_exit_2(args, needle, smollm2_dir):
 def test_cli_empty_prompt_and_truncated_file(tmp_path, smollm2_dir):
     r = run_cli("generate", "")
     assert r.returncode == 2 and "prompt is empty" in r.stderr and "Traceback" not in r.stderr
-    from specdec.hub import model_path
+    from specdec.runtime.hub import model_path
 
     bad = tmp_path / "cut.gguf"
     bad.write_bytes(model_path("smollm2-135m").read_bytes()[:1_000_000])
@@ -150,7 +150,7 @@ def test_api_speculative_config_matches_plain(smollm2_dir):
     ({"draft": "smollm2-135m", "max_draft_tokens": -1}, "max_draft_tokens=-1"),
     ({"draft": "smollm2-135m", "max_draft_tokens": 33}, "max_draft_tokens=33"),
     ({"draft": "smollm2-135m", "draft_sampling": "sometimes"}, "draft_sampling='sometimes'"),
-    ({"draft": "smollm2-135m", "draft_dtype": "q3"}, "draft_dtype='q3'; allowed: fp32, bf16, native, q4_0"),
+    ({"draft": "smollm2-135m", "draft_dtype": "q3"}, "draft_dtype='q3'; allowed: auto, fp32, bf16, native, q4_0"),
     ({"proposer": "magic"}, "proposer='magic'"),
     ({"proposer": "ngram", "ngram_min": 4, "ngram_max": 2}, "ngram_min=4 > ngram_max=2"),
 ])

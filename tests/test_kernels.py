@@ -1,4 +1,4 @@
-"""specdec.kernels: the few-row C++ kernel must equal torch's F.linear.
+"""specdec.runtime.kernels: the few-row C++ kernel must equal torch's F.linear.
 
 Tolerances, and why:
 * fp32 storage: torch.allclose(rtol=1e-5, atol=1e-5) against F.linear in fp32.
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import specdec.kernels as K
+import specdec.runtime.kernels as K
 
 U = 2.0**-24  # fp32 unit roundoff
 
@@ -305,7 +305,7 @@ def test_env_torch_never_builds(tmp_path):
     import subprocess
     import sys
 
-    code = ("import torch, specdec.kernels as K; pw = K.prepare_weight(torch.ones(3, 2)); "
+    code = ("import torch, specdec.runtime.kernels as K; pw = K.prepare_weight(torch.ones(3, 2)); "
             "print(K.linear(torch.ones(2), pw).tolist(), K._ext is None)")
     env = dict(os.environ, SPECDEC_KERNEL="torch", SPECDEC_CACHE=str(tmp_path))
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import random_state, tiny_args, tiny_model
-from specdec.model import Transformer
+from specdec.runtime.model import Transformer
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411,
           407, 19712, 8182, 2, 198, 1, 4093, 198, 7306, 1812, 314, 253, 2356, 30]

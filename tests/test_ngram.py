@@ -83,3 +83,4 @@ def test_greedy_composite_equals_plain(smollm2, draft_kind):
     comp = CompositeProposer([NgramProposer(1, 4), DraftModelProposer(draft, tok.vocab_size, 512)])
     got = Engine(model, tok, comp, num_draft_tokens=4, max_seq_len=512, max_batch=2).generate(prompts, params)
     assert [r.output for r in got] == [r.output for r in plain]
+    assert all(r.stats.rounds > 0 for r in got)

@@ -1,4 +1,4 @@
-"""specdec.kernels.quant: GGUF-quantised weights in the few-row matmul.
+"""specdec.runtime.kernels.quant: GGUF-quantised weights in the few-row matmul.
 
 What is checked, and why the tolerances are right:
 * Repacking loses nothing: `unpack(pack(blocks))` equals `gguf.quants.dequantize(blocks)` bit
@@ -37,8 +37,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import specdec.kernels as K
-from specdec.kernels import quant as Q
+import specdec.runtime.kernels as K
+from specdec.runtime.kernels import quant as Q
 
 U = 2.0**-24
 TYPES = list(Q.QUANT_TYPES)
@@ -139,7 +139,7 @@ def test_unpack_equals_gguf_on_real_rows():
     """Real SmolLM2-135M rows (Q4_1 matrices, Q8_0 embedding) round-trip bit for bit."""
     from gguf import GGUFReader
 
-    from specdec.hub import model_path
+    from specdec.runtime.hub import model_path
 
     r = GGUFReader(str(model_path("smollm2-135m")))
     seen = set()

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def pair():
-    from specdec.api import check_draft_compatible, load_model
+    from specdec.loader import check_draft_compatible, load_model
 
     target, tok = load_model("qwen2.5-coder-1.5b", "native", "cpu")
     draft, dtok = load_model("qwen2.5-coder-0.5b", "native", "cpu")
@@ -34,7 +34,7 @@ def pair():
 def test_native_logits_close_to_fp32(pair, prompts):
     """Relative RMS logit error < 7.5% and argmax kept at >= 90% of prompt positions (the same
     bounds as SmolLM2's, tests/test_quant_model.py, which explains them)."""
-    from specdec.api import load_model
+    from specdec.loader import load_model
 
     target = pair[0]
     ref, _ = load_model("qwen2.5-coder-1.5b", "fp32", "cpu")

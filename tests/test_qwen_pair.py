@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def pair():
-    from specdec.api import check_draft_compatible, load_model
+    from specdec.loader import check_draft_compatible, load_model
 
     target, tok = load_model("qwen2.5-coder-1.5b", device="cpu")
     draft, dtok = load_model("qwen2.5-coder-0.5b", device="cpu")
@@ -28,7 +28,7 @@ def pair():
 
 @pytest.fixture(scope="module")
 def prompts(pair):
-    from specdec.prompts import humaneval
+    from specdec.tools.prompts import humaneval
 
     return [pair[2].encode_prompt(p) for p in humaneval(10)]
 
@@ -54,7 +54,7 @@ def test_greedy_spec_equals_plain(pair, prompts, plain, k):
     params = SamplingParams(temperature=0, max_tokens=128)
     for p, want in zip(prompts, plain):
         r = eng.generate([p], params)[0]
-        assert r.output == want
+        assert r.output == want and r.stats.rounds > 0
         assert max(r.output) < V
 
 
@@ -67,6 +67,7 @@ def test_batched_rows_equal_plain(pair, prompts, plain):
                  max_batch=3, vocab_size=V)
     out = eng.generate(prompts[:3], SamplingParams(temperature=0, max_tokens=128))
     assert [r.output for r in out] == plain[:3]
+    assert all(r.stats.rounds > 0 for r in out)
 
 
 def _proposer(kind, draft, V):
@@ -92,7 +93,8 @@ def test_proposers_and_adaptive_k_equal_plain(pair, prompts, plain, kind, k, bat
                  max_batch=3, vocab_size=V)
     params = SamplingParams(temperature=0, max_tokens=128)
     if batched:
-        got = [r.output for r in eng.generate(prompts[:3], params)]
+        reqs = eng.generate(prompts[:3], params)
     else:
-        got = [eng.generate([p], params)[0].output for p in prompts[:3]]
-    assert got == plain[:3]
+        reqs = [eng.generate([p], params)[0] for p in prompts[:3]]
+    assert [r.output for r in reqs] == plain[:3]
+    assert sum(r.stats.rounds for r in reqs) > 0  # drafting happened

@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from distribution import (chi_square, engine_joint_exact, make_engine, noncentrality, sample_engine,
-                          target_joint_exact)
+from engines import make_engine
+from specdec.tools.distribution import (chi_square, engine_joint_exact, noncentrality, sample_engine,
+                                        target_joint_exact)
 from specdec import rejection
 from specdec.config import SamplingParams
 from specdec.engine import Engine

@@ -1,4 +1,4 @@
-"""Stops inside a speculative round (PITFALLS 6): output equals plain decoding exactly, and
+"""Stops inside a speculative round (docs/pitfalls.md 6): output equals plain decoding exactly, and
 nothing past the stop is emitted, counted or left in a cache.
 
 The draft is the target itself, so every round accepts all k drafts and emits k + 1 tokens:
@@ -35,6 +35,7 @@ def engines(smollm2, max_seq_len=512):
 def check_consistent(req, spy, spec):
     assert spy.kv_at_release <= len(req.tokens)
     s = req.stats.to_dict()
+    assert s["rounds"] > 0  # drafting happened
     assert s["accepted_tokens"] <= len(req.output)  # drafts cut off by the stop are not counted
     assert s["accepted_tokens"] <= s["draft_tokens"]
     assert 0 <= s["acceptance_rate"] <= 1

@@ -8,10 +8,11 @@ import json
 import pytest
 
 from conftest import tiny_model
-from distribution import engine_joint_exact, make_engine, noncentrality, target_joint_exact
+from engines import make_engine
+from specdec.tools.distribution import engine_joint_exact, noncentrality, target_joint_exact
 from specdec.cli import main
 from specdec.config import SamplingParams
-from specdec.verify import control
+from specdec.tools.audit import control
 from tiny_hf import write_tiny_hf
 
 KW = dict(vocab=4, dim=16, layers=1, heads=2, kv_heads=1, inter=16, max_seq_len=64)
@@ -90,9 +91,8 @@ def test_memo_model_answers_like_the_model():
     """MemoModel's logits are the model's (to fp32 rounding of a different batch shape) for the
     prefix, its own prefixes and extensions of it; and the engine driven by memoised target and
     draft emits what the real models make it emit (greedy, plain and speculative)."""
-    from distribution import make_engine
-    from specdec.distribution import full_forward_logits
-    from specdec.verify import MemoModel
+    from specdec.tools.distribution import full_forward_logits
+    from specdec.tools.audit import MemoModel
 
     kw = dict(vocab=16, dim=32, layers=2, heads=4, kv_heads=2, inter=48, max_seq_len=64)
     t, d = tiny_model(seed=5, scale=1.0, **kw), tiny_model(seed=6, scale=1.0, **kw)

@@ -1,4 +1,4 @@
-"""Vocabulary padding (PITFALLS 10) and draft/target tokenizer compatibility."""
+"""Vocabulary padding (docs/pitfalls.md 10) and draft/target tokenizer compatibility."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from conftest import random_state, tiny_args
-from specdec.api import check_draft_compatible
+from specdec.loader import check_draft_compatible
 from specdec.config import SamplingParams
 from specdec.engine import Engine
 from specdec.errors import SpecdecError
-from specdec.model import Transformer
+from specdec.runtime.model import Transformer
 from specdec.proposers import DraftModelProposer
 
 

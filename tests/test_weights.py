@@ -8,8 +8,8 @@ import torch
 
 from conftest import random_state, tiny_args
 from specdec.errors import SpecdecError
-from specdec.hub import REGISTRY, resolve_model, verify_file
-from specdec.weights import read_gguf, resolve_checkpoint
+from specdec.runtime.hub import REGISTRY, resolve_model, verify_file
+from specdec.runtime.weights import read_gguf, resolve_checkpoint
 
 
 def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -18,7 +18,7 @@ def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def write_tiny_gguf(path, arch="llama", qtype=None, state=None, args=None):
-    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf import GGUFWriter
     from gguf.quants import quantize
 
     args = args or tiny_args("llama", vocab=64, dim=64, heads=2, kv_heads=1, inter=64)
@@ -90,7 +90,7 @@ def test_unsupported_tensor_type_is_named(tmp_path):
     from gguf import GGMLQuantizationType
 
     write_tiny_gguf(tmp_path / "t.gguf", qtype=GGMLQuantizationType.Q5_1)
-    import specdec.weights as W
+    import specdec.runtime.weights as W
 
     types = tuple(t for t in W.SUPPORTED_TYPES if t != "Q5_1")
     orig = W.SUPPORTED_TYPES
@@ -128,7 +128,7 @@ def test_checksum_and_size_mismatch(tmp_path):
 
 
 def test_registry_file_verifies(smollm2_dir):
-    from specdec.hub import model_path
+    from specdec.runtime.hub import model_path
 
     spec = REGISTRY["smollm2-135m"]
     verify_file(model_path("smollm2-135m"), spec.size, spec.sha256)

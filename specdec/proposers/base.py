@@ -1,63 +1,93 @@
-"""The proposer protocol and its result dataclass."""
+"""The proposer protocol: where draft tokens come from.
+
+A proposer owns its own state (a draft model's KV cache, an n-gram index) and never reads or moves
+the target's cache. The engine calls, per request: `begin` once, then per round `peek` (only when
+the k policy prices candidates), `propose` for the rows that draft, `accept` after verification
+(or `skip` on a round in which another part of a composite drafted), and `release` when the request
+ends or is aborted. `reserve` and `prefill` let a proposer size and fill its state alongside the
+target's. Every call is part of the protocol: `ProposerBase` gives the ones most proposers do not
+need a no-op body, so the engine never asks what a proposer can do.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-import torch
+from specdec.request import Request
+from specdec.round import Candidate, Proposal, RowResult
 
-if TYPE_CHECKING:
-    from specdec.engine import Request
-
-
-@dataclass
-class Proposal:
-    tokens: torch.Tensor  # [B, k] int64 draft tokens, padded past num_draft[b] with 0
-    num_draft: torch.Tensor  # [B] int64, number of real drafts per row (<= k)
-    q: torch.Tensor | None  # [B, k, V] draft distributions, or None: one-hot on the tokens
-    source: list[str] | None = None  # [B] name of the proposer that drafted each row (metrics);
-    # None: the proposer's own name for every row
-    catch_up: int = 0  # most committed tokens any row fed before drafting (a draft model's
-    # prompt, if not prefilled, or its catch-up after n-gram rounds): adaptive k measures such a round
-    # as catch-up cost per token, not as the cost of drafting k
+__all__ = ["Candidate", "Proposal", "Proposer", "ProposerBase"]
 
 
 class Proposer(Protocol):
-    """A source of draft tokens.
-
-    The engine calls `begin` once per request, `propose` once per round with the requests of
-    the batch and how many tokens each may draft, `accept` after verification with how many of
-    the row's drafts were accepted (the request's committed tokens are already updated), and
-    `release` when the request ends. A proposer never reads or moves the target's cache.
-    """
-
     name: str
+    runs_a_model: bool  # False: drafting is nearly free (adaptive k's cost prior)
+    wants_hidden_states: bool  # True: `accept` gets the target's hidden states (RowResult.hidden)
 
-    def begin(self, req: "Request") -> None: ...
+    def parts(self) -> list["Proposer"]:
+        """The proposers it is made of (itself, unless it is a composite)."""
+        ...
 
-    def propose(self, reqs: list["Request"], ks: list[int]) -> Proposal: ...
+    def reserve(self, n_rows: int) -> None:
+        """Make room for n_rows concurrent requests (called while the engine is idle)."""
+        ...
 
-    def accept(self, req: "Request", n_accepted: int) -> None: ...
+    def begin(self, req: Request) -> None: ...
 
-    def release(self, req: "Request") -> None: ...
+    def prefill(self, reqs: list[Request]) -> None:
+        """Called with the target's prompt prefill when k is fixed, for rows with room to draft:
+        state for every committed token but the last. Its time is prompt processing."""
+        ...
 
-    # Optional: `peek(req, k) -> [(name, n[, key[, catch_up]]), ...]`: the proposers that could
-    # draft for this request now and how many tokens (<= k, > 0) each has, without drafting,
-    # from committed tokens only, in the proposer's own order of preference; `key` (default:
-    # name) names the acceptance record the round belongs to, `catch_up` (default 0) the
-    # committed tokens it must feed before drafting. Adaptive k prices each and picks one
-    # (a composite then drafts from the one picked: `propose(..., only=names)`).
-    #
-    # Optional: `prefill(reqs)`: called with the target's prompt prefill at a fixed k > 0, for
-    # requests with room to draft (a draft model's KV for every committed token but the last);
-    # its time is prompt processing, not decoding.  Adaptive k does not call it (it prices the
-    # catch-up and may never start the draft model); a composite has none.
+    def peek(self, req: Request, k: int) -> list[Candidate]:
+        """The parts that could draft for this request now and how many tokens (<= k) each has,
+        from committed tokens only, in the proposer's order of preference; [] if none."""
+        ...
+
+    def propose(self, reqs: list[Request], ks: list[int], only: list[str | None] | None = None) -> Proposal:
+        """Up to ks[b] drafts for each row. only[b]: the one part to ask for row b (a k policy's
+        pick among `peek`'s candidates); None: the proposer's own order."""
+        ...
+
+    def accept(self, req: Request, result: RowResult) -> None:
+        """The row's round is committed (req.tokens already holds it): keep state for the
+        committed tokens, drop the rest."""
+        ...
+
+    def skip(self, req: Request) -> None:
+        """Another part drafted this row's round: keep only committed state."""
+        ...
+
+    def release(self, req: Request) -> None: ...
 
 
-def peek(proposer, req: "Request", k: int) -> list[tuple]:
-    """[(proposer name, tokens it could draft, <= k[, key[, catch_up]])]; one without `peek`
-    can always draft k."""
-    if hasattr(proposer, "peek"):
-        return proposer.peek(req, k)
-    return [(proposer.name, k)] if k > 0 else []
+class ProposerBase:
+    """Defaults for the calls a simple proposer does not need."""
+
+    name = "proposer"
+    runs_a_model = True
+    wants_hidden_states = False
+
+    def parts(self) -> list[Proposer]:
+        return [self]
+
+    def reserve(self, n_rows: int) -> None:
+        pass
+
+    def begin(self, req: Request) -> None:
+        pass
+
+    def prefill(self, reqs: list[Request]) -> None:
+        pass
+
+    def peek(self, req: Request, k: int) -> list[Candidate]:
+        return [Candidate(self.name, k)] if k > 0 else []
+
+    def accept(self, req: Request, result: RowResult) -> None:
+        pass
+
+    def skip(self, req: Request) -> None:
+        pass
+
+    def release(self, req: Request) -> None:
+        pass

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from specdec.proposers.base import Proposal, peek
+from specdec.proposers.base import Candidate, Proposal, ProposerBase
+from specdec.round import RowResult
 
 
-class CompositeProposer:
+class CompositeProposer(ProposerBase):
     name = "composite"
 
     def __init__(self, proposers: list):
@@ -29,14 +30,19 @@ class CompositeProposer:
         for p in self.proposers:
             p.release(req)
 
+    def parts(self) -> list:
+        return [q for p in self.proposers for q in p.parts()]
+
     def reserve(self, n_rows: int) -> None:
         for p in self.proposers:
-            if hasattr(p, "reserve"):
-                p.reserve(n_rows)
+            p.reserve(n_rows)
 
-    def peek(self, req, k: int) -> list[tuple]:
+    # prefill: none. At a fixed k the composite's draft model may never run (the n-gram drafts
+    # whenever it matches); it catches up when first asked.
+
+    def peek(self, req, k: int) -> list[Candidate]:
         """Every part that has tokens, in order (the first is what `propose` would use)."""
-        return [c for p in self.proposers for c in peek(p, req, k)]
+        return [c for p in self.proposers for c in p.peek(req, k)]
 
     def propose(self, reqs, ks: list[int], only: list[str | None] | None = None) -> Proposal:
         """only: per row, the name of the one part to ask (None: each in order, first that
@@ -81,10 +87,10 @@ class CompositeProposer:
         source = [self._used[r.id].name if r.id in self._used else self.name for r in reqs]
         return Proposal(tokens=tokens, num_draft=num, q=q, source=source, catch_up=catch_up)
 
-    def accept(self, req, n_accepted: int) -> None:
+    def accept(self, req, result: RowResult) -> None:
         p = self._used.get(req.id)
         for other in self.proposers:
             if other is p:
-                other.accept(req, n_accepted)
-            elif hasattr(other, "skip"):
+                other.accept(req, result)
+            else:
                 other.skip(req)

@@ -19,12 +19,14 @@ import time
 import torch
 
 from specdec import sampling
-from specdec.kv_cache import prefill as kv_prefill
-from specdec.kv_cache import ragged_block, rows_arg
-from specdec.proposers.base import Proposal
+from specdec.logits_state import sampling_groups, stacked_inputs
+from specdec.proposers.base import Candidate, Proposal, ProposerBase
+from specdec.round import RowResult
+from specdec.runtime.kv_cache import prefill as kv_prefill
+from specdec.runtime.kv_cache import ragged_block, rows_arg
 
 
-class DraftModelProposer:
+class DraftModelProposer(ProposerBase):
     name = "draft"
 
     def __init__(self, model, vocab_size: int, max_seq_len: int,
@@ -51,14 +53,14 @@ class DraftModelProposer:
     def release(self, req) -> None:
         self.cache.set_length(req.row, 0)
 
-    def peek(self, req, k: int) -> list[tuple]:
-        """[(name, k, key, catch-up)]: it can always draft k, after feeding the committed tokens
+    def peek(self, req, k: int) -> list[Candidate]:
+        """[Candidate(name, k, key, catch-up)]: it can always draft k, after feeding the committed tokens
         it has no KV for (the whole prompt on its first round unless prefilled, 1-2 tokens in
         steady state)."""
         if k <= 0:
             return []
         have = self.cache.lengths[req.row] if req.row < self.cache.batch_size else 0
-        return [(self.name, k, self.name, len(req.tokens) - have)]
+        return [Candidate(self.name, k, self.name, len(req.tokens) - have)]
 
     @torch.inference_mode()
     def prefill(self, reqs) -> None:
@@ -74,7 +76,7 @@ class DraftModelProposer:
         return logits[..., : self.V]
 
     @torch.inference_mode()
-    def propose(self, reqs, ks: list[int]) -> Proposal:
+    def propose(self, reqs, ks: list[int], only=None) -> Proposal:
         B, k = len(reqs), max(ks)
         dev = self.model.device
         rows = rows_arg(reqs, dev)
@@ -91,17 +93,12 @@ class DraftModelProposer:
             self.cache.set_length(r.row, L[b])
             self._L[r.row] = L[b]
             self._last_k[r.row] = ks[b]
-        counts = [r.penalty_state() for r in reqs]
         for i in range(k):
-            d, q = self._sample(cur, reqs, counts, i)
+            d, q = self._sample(cur, reqs, drafts[:, :i])
             drafts[:, i] = d
             if q_all is not None:
                 q_all[:, i] = q
             if i + 1 < k:
-                for b in range(B):  # penalties at position i + 1 also count d_i
-                    if counts[b] is not None:
-                        c, s = sampling.prefix_counts(counts[b][0], counts[b][1], d[b:b + 1])
-                        counts[b] = (c[1], s[1])
                 positions = torch.tensor([[L[b] + i] for b in range(B)], device=dev)
                 cur = self._forward(d.view(B, 1), positions, rows)[:, 0]
         for b, r in enumerate(reqs):  # KV now covers committed + d_1..d_{k-1} (where fed)
@@ -112,31 +109,24 @@ class DraftModelProposer:
     def _needs_q(self, reqs) -> bool:
         return self.draft_sampling == "probabilistic" and any(not r.params.greedy for r in reqs)
 
-    def _sample(self, logits, reqs, counts, i):
-        """Draft tokens [B] and their distributions q [B, V] (zeros where q is one-hot).
-
-        Rows that share sampling params and rng are sampled in one call (large test batches)."""
+    def _sample(self, logits, reqs, drafted):
+        """Draft tokens [B] and their distributions q [B, V] (zeros where q is one-hot) at the
+        position after `drafted` [B, i]: the logits state sees each row's own drafts so far,
+        as the target's p will at the same position."""
         B = logits.shape[0]
         d = torch.zeros(B, dtype=torch.long, device=logits.device)
         q = torch.zeros(B, self.V, device=logits.device) if self._needs_q(reqs) else None
-        groups: dict[tuple, list[int]] = {}
-        for b, r in enumerate(reqs):
-            groups.setdefault((id(r.params), id(r.rng)), []).append(b)
-        for idx in groups.values():
-            params, rng = reqs[idx[0]].params, reqs[idx[0]].rng
+        for params, rng, idx in sampling_groups(reqs):
             ix = torch.tensor(idx, device=logits.device)
-            c = s = None
-            if params.has_penalties:
-                c = torch.stack([counts[b][0] for b in idx])
-                s = torch.stack([counts[b][1] for b in idx])
+            inp = stacked_inputs(reqs, idx, drafted, last_only=True)
             lg = logits[ix]
             if params.greedy:
-                d[ix] = sampling.greedy_tokens(lg, params, c, s)
+                d[ix] = sampling.greedy_tokens(lg, params, inp.counts, inp.seen)
             elif self.draft_sampling == "greedy":
-                d[ix] = sampling.filter_logits(sampling.apply_penalties(lg.float(), params, c, s),
-                                               params).argmax(-1)
+                d[ix] = sampling.filter_logits(
+                    sampling.apply_penalties(lg.float(), params, inp.counts, inp.seen), params).argmax(-1)
             else:
-                probs = sampling.probabilities(lg, params, c, s)
+                probs = sampling.probabilities(lg, params, inp.counts, inp.seen)
                 d[ix] = rng.categorical(probs)
                 q[ix] = probs
         return d, q
@@ -147,10 +137,10 @@ class DraftModelProposer:
         kept = self._L.get(req.row, self.cache.lengths[req.row])  # no round yet: prompt KV only
         self.cache.set_length(req.row, min(self.cache.lengths[req.row], kept))
 
-    def accept(self, req, n_accepted: int) -> None:
+    def accept(self, req, result: RowResult) -> None:
         """Keep KV for committed[:L] + the accepted drafts that were fed (at most k - 1)."""
         if req.row not in self._L:
             return
         L, k = self._L[req.row], self._last_k[req.row]
-        keep = L + min(n_accepted, max(k - 1, 0))
+        keep = L + min(result.accepted, max(k - 1, 0))
         self.cache.set_length(req.row, min(keep, len(req.tokens)))

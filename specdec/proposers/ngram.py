@@ -11,17 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from specdec.errors import SpecdecError
-from specdec.proposers.base import Proposal
-
-
-def check_ngram_range(n_min: int, n_max: int) -> None:
-    if n_min < 1:
-        raise SpecdecError(f"ngram_min={n_min} is out of range; allowed [1, ngram_max]")
-    if n_max < n_min:
-        raise SpecdecError(f"ngram_min={n_min} > ngram_max={n_max}; need 1 <= ngram_min <= ngram_max")
-    if n_max > 64:
-        raise SpecdecError(f"ngram_max={n_max} is out of range; allowed [ngram_min, 64]")
+from specdec.config import check_ngram_range
+from specdec.proposers.base import Candidate, Proposal, ProposerBase
 
 
 class NgramIndex:
@@ -51,7 +42,7 @@ class NgramIndex:
         return [], 0
 
 
-class NgramProposer:
+class NgramProposer(ProposerBase):
     name = "ngram"
     runs_a_model = False  # drafting is a few dictionary lookups (adaptive k's cost prior)
 
@@ -66,18 +57,17 @@ class NgramProposer:
     def release(self, req) -> None:
         self.index.pop(req.id, None)
 
-    def accept(self, req, n_accepted: int) -> None:
-        pass  # the index only ever holds committed tokens: nothing to roll back
+    # accept / skip: the index only ever holds committed tokens, so there is nothing to roll back
 
-    def peek(self, req, k: int) -> list[tuple]:
-        """[(name, tokens, acceptance key)]: a match of a longer suffix is likelier to go on
+    def peek(self, req, k: int) -> list[Candidate]:
+        """[Candidate(name, tokens, acceptance key)]: a match of a longer suffix is likelier to go on
         being copied, so adaptive k keeps acceptance per matched length ("ngram@3")."""
         idx = self.index[req.id]
         idx.extend(req.tokens)
         found, n = idx.match(req.tokens, k) if k > 0 else ([], 0)
-        return [(self.name, len(found), f"{self.name}@{n}")] if found else []
+        return [Candidate(self.name, len(found), f"{self.name}@{n}")] if found else []
 
-    def propose(self, reqs, ks: list[int]) -> Proposal:
+    def propose(self, reqs, ks: list[int], only=None) -> Proposal:
         found = []
         for r, k in zip(reqs, ks):
             idx = self.index[r.id]

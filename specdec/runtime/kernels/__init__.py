@@ -22,14 +22,16 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from specdec.kernels import quant
+from specdec.runtime.kernels import extension, quant
+from specdec.runtime.kernels.extension import CFLAGS  # noqa: F401 -- benchmarks build with it
+from specdec.runtime.kernels.extension import build_dir as _build_dir  # noqa: F401
+from specdec.runtime.kernels.extension import cpu_has_avx2_fma as _cpu_has_avx2_fma  # noqa: F401
+from specdec.runtime.kernels.extension import load_extension as _load_extension  # noqa: F401
 
 __all__ = ["PreparedWeight", "prepare_weight", "prepare_quant", "QuantTensor", "linear",
            "kernel_available", "kernel_isa", "build", "MAX_KERNEL_ROWS", "NR"]
@@ -54,9 +56,7 @@ _LANES = (torch.arange(NR).view(2, NR // 2).t().reshape(-1)          # 0, 8, 1, 
           + NR * torch.arange(UNIT).view(-1, 1)).reshape(-1)          # ... per panel of the unit
 _LANES_INV = torch.argsort(_LANES)
 
-_SRC = Path(__file__).with_name("linear.cpp")
-_ext = None           # the loaded extension module, once built
-_build_tried = False  # build at most once per process, even if it failed
+_ext = None  # the loaded extension module, once built
 
 
 @dataclass(frozen=True, eq=False)
@@ -125,61 +125,11 @@ def _unpack(packed: torch.Tensor, n: int, dtype: str) -> torch.Tensor:
     return packed.transpose(1, 2).reshape(u * KS, k)[:n].float()
 
 
-def _cpu_has_avx2_fma() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return {"avx2", "fma"} <= set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    # Not Linux: torch's dispatch level AVX2 or above implies AVX2+FMA.
-    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-
-
-def _build_dir() -> Path:
-    return Path(os.environ.get("SPECDEC_CACHE", "~/.cache/specdec")).expanduser() / "ext"
-
-
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]  # linear.cpp, qlinear.cpp
-
-
-def _load_extension(name: str, sources: list[str], verbose: bool = False, cflags: list[str] = CFLAGS):
-    """Compile/load one C++ extension from this folder (cached on disk); None on failure."""
-    try:
-        from torch.utils import cpp_extension
-
-        # ninja lives next to the interpreter in a venv that was not activated.
-        bindir = os.path.dirname(sys.executable)
-        if bindir not in os.environ.get("PATH", "").split(os.pathsep):
-            os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-        bdir = _build_dir() / name
-        bdir.mkdir(parents=True, exist_ok=True)
-        return cpp_extension.load(
-            name=name,
-            sources=[str(_SRC.with_name(s)) for s in sources],
-            extra_cflags=cflags,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(bdir),
-            verbose=verbose,
-        )
-    except Exception as e:  # noqa: BLE001 -- any build failure means "fall back"
-        lines = str(e).strip().splitlines()
-        log.warning("specdec.kernels: %s build failed, using the torch fallback: %s",
-                    name, lines[-1] if lines else type(e).__name__)
-        return None
-
-
 def build(verbose: bool = False):
     """Compile/load the extension (cached on disk); returns it, or None on failure."""
-    global _ext, _build_tried
-    if _ext is not None or _build_tried:
-        return _ext
-    _build_tried = True
-    if not _cpu_has_avx2_fma():
-        log.warning("specdec.kernels: CPU lacks AVX2+FMA; using the torch fallback")
-        return None
-    _ext = _load_extension("specdec_linear", ["linear.cpp"], verbose)
+    global _ext
+    if _ext is None:
+        _ext = extension.linear_extension(verbose)
     return _ext
 
 

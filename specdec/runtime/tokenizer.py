@@ -26,7 +26,7 @@ class Tokenizer:
         self.bos_token = bos_token
         vocab = tok.get_vocab(with_added_tokens=True)
         # The real vocabulary: GGUF conversions pad the token list to the embedding table's size
-        # with "[PAD<id>]" entries; those ids are never sampled (PITFALLS 10).
+        # with "[PAD<id>]" entries; those ids are never sampled (docs/pitfalls.md 10).
         self.real_vocab = {t: i for t, i in vocab.items() if not _PAD.fullmatch(t)}
         self.vocab_size = max(self.real_vocab.values()) + 1
         special = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}

@@ -16,7 +16,6 @@ results.json and three PNG plots; the terminal gets a table and, last, one JSON 
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -25,9 +24,8 @@ from pathlib import Path
 
 import torch
 
-from specdec.config import SamplingParams
-from specdec.errors import SpecdecError
-from specdec.harness import Models, make_engine, make_proposer
+from specdec.config import SamplingParams, SpeculativeConfig
+from specdec.loader import Models, build_engine
 from specdec.metrics import SpecStats
 
 PLAIN, HF_PLAIN = "plain", "transformers plain"
@@ -116,13 +114,12 @@ def load_transformers(path: Path):
 
 def build_configs(models: Models, s: BenchSettings, hf_paths: tuple | None = None) -> list:
     """Ours (plain, then one per k) and, given (target dir, draft dir or None), transformers'."""
-    max_len = s.max_seq_len
-    configs = [Ours(PLAIN, make_engine(models.target, models.tokenizer, models.vocab, None, 0, 0, max_len), 0)]
+    configs = [Ours(PLAIN, build_engine(models, None, s.max_seq_len), 0)]
     for k in s.ks:
-        prop = make_proposer(s.proposer, models.draft, models.vocab, max_len, s.draft_sampling,
-                             s.ngram_min, s.ngram_max)
-        eng = make_engine(models.target, models.tokenizer, models.vocab, prop, k, s.max_draft_tokens, max_len)
-        configs.append(Ours(f"{s.proposer} k={k}", eng, k, s.proposer))
+        spec = SpeculativeConfig(draft=models.draft_name, num_draft_tokens=k, max_draft_tokens=s.max_draft_tokens,
+                                 draft_sampling=s.draft_sampling, proposer=s.proposer,
+                                 ngram_min=s.ngram_min, ngram_max=s.ngram_max)
+        configs.append(Ours(f"{s.proposer} k={k}", build_engine(models, spec, s.max_seq_len), k, s.proposer))
     if hf_paths is not None:
         target = load_transformers(hf_paths[0])
         draft = load_transformers(hf_paths[1]) if hf_paths[1] is not None else None

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specdec import kernels
+from specdec.runtime.kernels.extension import cpu_has_avx2_fma, load_extension
 
 __all__ = ["Step", "plan", "add_rms_norm", "attend", "silu_mul", "build", "available"]
 
@@ -40,10 +40,10 @@ def build(verbose: bool = False):
     if _ext is not None or _tried:
         return _ext
     _tried = True
-    if not kernels._cpu_has_avx2_fma():
-        log.warning("specdec.kernels.fused: CPU lacks AVX2+FMA; using the torch fallback")
+    if not cpu_has_avx2_fma():
+        log.warning("specdec.runtime.kernels.fused: CPU lacks AVX2+FMA; using the torch fallback")
         return None
-    _ext = kernels._load_extension("specdec_fused", ["fused.cpp"], verbose, CFLAGS)
+    _ext = load_extension("specdec_fused", ["fused.cpp"], verbose, CFLAGS)
     return _ext
 
 

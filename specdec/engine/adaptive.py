@@ -50,6 +50,9 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from specdec.round import Candidate, Choice, Proposal
 
 PRIOR_ALPHA = 0.6  # prior acceptance per position before anything is observed
 PRIOR_STRENGTH = 2.0  # pseudo-observations behind the prior (and behind the pooled estimate)
@@ -153,8 +156,37 @@ def _measured(curve: CostCurve | None, k: int) -> float | None:
     return curve.estimate(k) if curve is not None and len(curve.seen) >= 2 else None
 
 
+class KPolicy(Protocol):
+    """How many drafts each row gets each round. The engine calls every method of it; a policy
+    that does not learn implements the observations as no-ops."""
+
+    k_max: int
+    prefills_draft: bool  # True: a draft model's prompt is prefilled with the target's
+
+    def begin(self, req) -> None: ...
+
+    def release(self, req) -> None: ...
+
+    def plan(self, req, batch_size: int, limit: int, peek: Callable[[int], list[Candidate]],
+             remaining: int) -> Choice:
+        """k in [0, limit] for this row's round, and which part drafts. peek(k): the proposer's
+        candidates (called only by a policy that prices them)."""
+        ...
+
+    def observe_draft(self, k: int, seconds: float, proposal: Proposal) -> None:
+        """One proposing call at width k took `seconds` (all rows)."""
+        ...
+
+    def observe_target(self, batch_size: int, width: int, seconds: float) -> None: ...
+
+    def observe_round(self, req, num_draft: int, n_accepted: int, source: str | None = None,
+                      key: str | None = None) -> None: ...
+
+
 class FixedK:
     """The same k every round (the budget near max_tokens / the context limit still cuts it)."""
+
+    prefills_draft = True  # the draft model will surely run: its prompt is prompt processing
 
     def __init__(self, k: int):
         self.k = k
@@ -162,6 +194,9 @@ class FixedK:
 
     def choose(self, req, batch_size: int, limit: int) -> int:
         return min(self.k, limit)  # a fixed k is asked for even where the proposer has fewer
+
+    def plan(self, req, batch_size: int, limit: int, peek, remaining: int) -> Choice:
+        return Choice(self.choose(req, batch_size, limit))
 
     def begin(self, req) -> None:
         pass
@@ -176,7 +211,7 @@ class FixedK:
     def observe_target(self, batch_size: int, width: int, seconds: float) -> None:
         pass
 
-    def observe_draft(self, k: int, seconds: float, source: str | None = None) -> None:
+    def observe_draft(self, k: int, seconds: float, proposal: Proposal) -> None:
         pass
 
 
@@ -186,7 +221,9 @@ class AdaptiveK:
     cost: optional fixed cost model `cost(batch_size, k) -> seconds` (tests use one to make the
     choice depend only on acceptance); by default costs are measured online."""
 
-    def __init__(self, k_max: int, cost=None):
+    prefills_draft = False  # a draft model's prompt is priced as catch-up; it may never run
+
+    def __init__(self, k_max: int, cost=None, free_sources: set[str] = frozenset()):
         self.k_max = k_max
         self.cost = cost
         self.target: dict[int, CostCurve] = {}  # batch size -> curve over T = k + 1
@@ -199,7 +236,7 @@ class AdaptiveK:
         self.state: dict[int, dict[str | None, _Acceptance]] = {}  # request id -> its counts
         self.chosen = Counter()
         # proposers that run no model (n-gram lookup): drafting costs ~nothing until measured
-        self.free_sources: set[str] = set()
+        self.free_sources: set[str] = set(free_sources)
 
     def begin(self, req) -> None:
         self.state[req.id] = {}
@@ -276,26 +313,28 @@ class AdaptiveK:
         """k for this round.  source / available: the proposer that would draft and how many
         tokens it has (None: unknown; costs are then mixed by the request's recent proposers)."""
         n = self.k_max if available is None else available
-        return self.choose_among(req, batch_size, limit, [(source, n)])[0]
+        return self.choose_among(req, batch_size, limit, [Candidate(source, n)]).k
 
-    def choose_among(self, req, batch_size: int, limit: int, candidates: list[tuple],
-                     remaining: int | None = None) -> tuple[int, str | None, str | None]:
-        """(k, proposer, acceptance key) for this round: each candidate (name, tokens it has[,
-        key[, catch-up tokens]]) is priced with its own acceptance (by key), cost (by name) and
+    def plan(self, req, batch_size: int, limit: int, peek, remaining: int) -> Choice:
+        """Price each part that could draft (the proposer's `peek`) and take the best."""
+        cands = peek(min(limit, self.k_max)) if limit > 0 else []
+        return self.choose_among(req, batch_size, limit, cands, remaining=remaining)
+
+    def choose_among(self, req, batch_size: int, limit: int, candidates: list[Candidate],
+                     remaining: int | None = None) -> Choice:
+        """Each candidate is priced with its own acceptance (by record), cost (by source) and
         catch-up spread over the next min(`remaining`, CATCH_UP_HORIZON) tokens (None: charged
-        to this round), and the best rate wins (k = 0: a plain round, proposer and key None)."""
-        best_k, best_src, best_key, best = 0, None, None, -1.0
+        to this round), and the best rate wins (k = 0: a plain round, source and key None)."""
+        best, best_rate = Choice(0), -1.0
         for cand in candidates:
-            src, n = cand[0], cand[1]
-            key = cand[2] if len(cand) > 2 else src
-            lag = cand[3] if len(cand) > 3 else 0
-            kmax = min(self.k_max, limit, n)
+            kmax = min(self.k_max, limit, cand.available)
             if kmax > 0:
-                k, rate = self._best(req, batch_size, kmax, src, key, lag, remaining)
-                if rate > best * (1 + 1e-9):
-                    best_k, best_src, best_key, best = k, src, key, rate
-        self.chosen[best_k] += 1
-        return (best_k, best_src, best_key) if best_k else (0, None, None)
+                k, rate = self._best(req, batch_size, kmax, cand.source, cand.record,
+                                     cand.catch_up, remaining)
+                if rate > best_rate * (1 + 1e-9):
+                    best, best_rate = Choice(k, cand.source, cand.record), rate
+        self.chosen[best.k] += 1
+        return best if best.k else Choice(0)
 
     def _best(self, req, batch_size: int, kmax: int, source: str | None,
               key: str | None = None, lag: int = 0, remaining: int | None = None) -> tuple[int, float]:
@@ -355,8 +394,24 @@ class AdaptiveK:
         """Measured seconds to draft k tokens (no catch-up) by `source`, or None."""
         return _measured(self.draft.get(source), k)
 
-    def observe_draft(self, k: int, seconds: float, source: str | None = None) -> None:
-        """One round's proposing time at width k, by the proposer that drafted every row."""
+    def observe_draft(self, k: int, seconds: float, proposal: Proposal) -> None:
+        """One proposing call at width k, all rows. A call in which one part drafted every row
+        measures that part (mixed sources cannot be told apart); a draft model's prompt prefill
+        or long catch-up is not the cost of drafting k, so it is measured apart, per caught-up
+        token."""
+        sources = set(proposal.source or [])
+        if len(sources) != 1:
+            return
+        source = sources.pop()
+        if proposal.catch_up <= STEADY_CATCH_UP:
+            self.observe_draft_cost(k, seconds, source)
+        else:
+            est = self.draft_estimate(k, source)
+            extra = seconds - est if est is not None else seconds * proposal.catch_up / (proposal.catch_up + k)
+            self.observe_catch_up(proposal.catch_up - STEADY_CATCH_UP, extra, source)
+
+    def observe_draft_cost(self, k: int, seconds: float, source: str | None = None) -> None:
+        """Seconds to draft k tokens by `source` (no catch-up)."""
         if k > 0:
             curve = self.draft.get(source)
             if curve is None:
@@ -365,8 +420,9 @@ class AdaptiveK:
             curve.observe(k, seconds)
 
 
-def k_policy(num_draft_tokens: int | str, max_draft_tokens: int, cost=None):
+def k_policy(num_draft_tokens: int | str, max_draft_tokens: int, cost=None,
+             free_sources: set[str] = frozenset()) -> KPolicy:
     """FixedK for an int, AdaptiveK(max_draft_tokens) for "auto"."""
     if num_draft_tokens == "auto":
-        return AdaptiveK(max_draft_tokens, cost)
+        return AdaptiveK(max_draft_tokens, cost, free_sources)
     return FixedK(int(num_draft_tokens))

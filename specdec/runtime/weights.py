@@ -23,7 +23,7 @@ import torch
 
 from specdec.config import ModelArgs
 from specdec.errors import SpecdecError
-from specdec.kernels.quant import QUANT_TYPES, QuantTensor
+from specdec.runtime.kernels.quant import QUANT_TYPES, QuantTensor
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")

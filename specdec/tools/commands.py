@@ -8,7 +8,24 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+from rich.progress import Progress
+
+from specdec.config import MAX_DRAFT_TOKENS, SamplingParams
 from specdec.errors import SpecdecError
+from specdec.loader import load_models
+from specdec.runtime.hub import resolve_model
+from specdec.tools import bench
+from specdec.tools.audit import VerifySettings, format_report, run_verify
+from specdec.tools.prompts import load_prompts
+
+
+def sampling_params(a) -> SamplingParams:
+    """The shared sampling flags (cli._add_sampling_args) as SamplingParams."""
+    return SamplingParams(
+        temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
+        repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
+        frequency_penalty=a.frequency_penalty, seed=a.seed, max_tokens=a.max_tokens, stop=a.stop)
 
 
 def _set_option(p: argparse.ArgumentParser, flag: str, **fields) -> None:
@@ -23,8 +40,6 @@ def _set_option(p: argparse.ArgumentParser, flag: str, **fields) -> None:
 
 def parse_ks(values) -> list:
     """--num-draft-tokens values ("2 4 6", "2,4,6", "auto") -> [2, 4, 6] / ["auto"]."""
-    from specdec.config import MAX_DRAFT_TOKENS
-
     items = [v for s in ([values] if isinstance(values, (str, int)) else values)
              for v in str(s).replace(",", " ").split()]
     if not items:
@@ -48,8 +63,6 @@ def parse_ks(values) -> list:
 
 
 def _setup(a):
-    import torch
-
     if a.threads is not None:
         if a.threads < 1:
             raise SpecdecError(f"threads={a.threads} is out of range; allowed [1, inf)")
@@ -78,11 +91,7 @@ def add_verify_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_verify(a, models=None) -> int:
-    """models: preloaded specdec.harness.Models (tests); otherwise loaded from --model/--draft."""
-    from specdec.cli import _sampling_params
-    from specdec.harness import load_models
-    from specdec.verify import VerifySettings, format_report, run_verify
-
+    """models: preloaded specdec.loader.Models (tests); otherwise loaded from --model/--draft."""
     _setup(a)
     proposer = a.proposer or ("draft" if a.draft is not None else "ngram")
     k = parse_ks(a.num_draft_tokens)
@@ -91,15 +100,13 @@ def cmd_verify(a, models=None) -> int:
     if not 0 < a.alpha < 1:
         raise SpecdecError(f"alpha={a.alpha} is out of range; allowed (0, 1)")
     settings = VerifySettings(
-        params=_sampling_params(a), proposer=proposer, k=k[0], max_draft_tokens=_max_draft(a),
+        params=sampling_params(a), proposer=proposer, k=k[0], max_draft_tokens=_max_draft(a),
         draft_sampling=a.draft_sampling, ngram_min=a.ngram_min, ngram_max=a.ngram_max,
         prefix=a.prefix, n=a.n, samples=a.samples, max_seconds=a.max_seconds, batch=a.batch,
         seed=a.seed or 0, alpha=a.alpha, control=a.control)
     if models is None:
         models = load_models(a.model, a.draft if proposer != "ngram" else None, a.dtype, a.draft_dtype,
                              a.device)
-    from rich.progress import Progress
-
     with Progress(transient=True, disable=a.json) as prog:
         task = prog.add_task("sampling", total=settings.samples)
         result = run_verify(models, settings, progress=lambda done, _: prog.update(task, completed=done))
@@ -126,13 +133,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_bench(a, models=None) -> int:
-    """models: preloaded specdec.harness.Models (tests); otherwise loaded from --model/--draft."""
-    from specdec import bench
-    from specdec.cli import _sampling_params
-    from specdec.harness import load_models
-    from specdec.hub import resolve_model
-    from specdec.prompts import load_prompts
-
+    """models: preloaded specdec.loader.Models (tests); otherwise loaded from --model/--draft."""
     _setup(a)
     ks = parse_ks(a.num_draft_tokens)
     if a.num_prompts < 1:
@@ -151,7 +152,7 @@ def cmd_bench(a, models=None) -> int:
     except OSError as e:
         raise SpecdecError(f"cannot create output directory {out}: {e.strerror}") from None
     settings = bench.BenchSettings(
-        prompts=prompts, params=_sampling_params(a), ks=ks, proposer=proposer,
+        prompts=prompts, params=sampling_params(a), ks=ks, proposer=proposer,
         max_draft_tokens=_max_draft(a), draft_sampling=a.draft_sampling, ngram_min=a.ngram_min,
         ngram_max=a.ngram_max, repeats=a.repeats, raw=a.raw, max_seq_len=a.max_model_len,
         compare=[a.compare] if a.compare else [])
@@ -163,8 +164,6 @@ def cmd_bench(a, models=None) -> int:
             raise SpecdecError("--compare transformers needs --model as a name or path")
         hf_paths = (resolve_model(a.model), resolve_model(a.draft) if models.draft is not None else None)
     configs = bench.build_configs(models, settings, hf_paths)
-    from rich.progress import Progress
-
     total = len(configs) * len(prompts) * a.repeats
     log = not a.json and not sys.stderr.isatty()  # a log file gets one line per run instead
 
@@ -178,7 +177,7 @@ def cmd_bench(a, models=None) -> int:
     summary = bench.summarise(runs, configs, settings.params)
     title = (f"{models.name}" + (f" <- {models.draft_name}" if models.draft_name else "") +
              f", {len(prompts)} {Path(a.prompts).name} prompts x {a.max_tokens} tokens x {a.repeats}, "
-             f"T={a.temperature}, {__import__('torch').get_num_threads()} threads")
+             f"T={a.temperature}, {torch.get_num_threads()} threads")
     files = bench.plot(summary, out, title)
     result = {"benchmark": "specdec bench", "title": title, "model": models.name, "draft": models.draft_name,
               "prompts": a.prompts, "num_prompts": len(prompts), "max_tokens": a.max_tokens,

@@ -26,6 +26,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from specdec.runtime.kernels.extension import linear_extension, load_extension
+
 __all__ = ["QUANT_TYPES", "Q6_K2_FID", "QuantTensor", "QuantWeight", "prepare_quant", "linear", "pack",
            "unpack", "quantise_activations", "activation_block", "requantise"]
 
@@ -277,8 +279,6 @@ class QuantWeight:
 
 def prepare_quant(parts: list[QuantTensor]) -> QuantWeight:
     """Row blocks (same K) of one fused weight -> a QuantWeight."""
-    from specdec.kernels import kernel_available
-
     k = parts[0].shape[1]
     for p in parts:
         if p.qtype not in QUANT_TYPES:
@@ -288,7 +288,7 @@ def prepare_quant(parts: list[QuantTensor]) -> QuantWeight:
                              f"a multiple of {QUANT_TYPES[p.qtype].rk}")
     segs = tuple((p.qtype, p.shape[0]) for p in parts)
     n = sum(s[1] for s in segs)
-    if os.environ.get("SPECDEC_KERNEL") != "torch" and kernel_available() and _qext() is not None:
+    if os.environ.get("SPECDEC_KERNEL") != "torch" and linear_extension() is not None and _qext() is not None:
         # Q6_K in the AVX2 routine's layout wherever that routine is the one that runs
         avx2 = os.environ.get("SPECDEC_KERNEL") == "avx2" or _qext().best_isa() == 2
         fids = tuple(Q6_K2_FID if avx2 and p.qtype == "Q6_K" else QUANT_TYPES[p.qtype].fid for p in parts)
@@ -351,9 +351,7 @@ def _qext():
     global _ext, _tried
     if not _tried:
         _tried = True
-        from specdec.kernels import _load_extension, kernel_available
-
-        _ext = _load_extension("specdec_qlinear", ["qlinear.cpp"]) if kernel_available() else None
+        _ext = load_extension("specdec_qlinear", ["qlinear.cpp"]) if linear_extension() is not None else None
     return _ext
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gzip
 import json
-from importlib import resources
 from pathlib import Path
 
 from specdec.errors import SpecdecError

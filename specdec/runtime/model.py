@@ -4,7 +4,7 @@ RMSNorm, RoPE with the checkpoint's theta (rotate-half layout, as in Hugging Fac
 grouped-query attention, SwiGLU, tied or untied output head, optional q/k/v biases. The weights are
 plain tensors (no nn.Module tree) so a decode step costs few Python calls; q/k/v and gate/up are
 fused into one matmul each, and what runs between the matmuls is three fused ops per sub-layer
-(specdec/kernels/fused.py: residual add + RMSNorm; RoPE + KV write + attention; SiLU * up).
+(specdec/runtime/kernels/fused.py: residual add + RMSNorm; RoPE + KV write + attention; SiLU * up).
 
 `forward(tokens [B, T], positions [B, T], cache)` writes the new keys/values at `positions` and
 returns logits [B, T, V]. It never moves the cache's lengths; the caller does. Each query attends
@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec import kernels
-from specdec.kernels import fused
+from specdec.runtime import kernels
+from specdec.runtime.kernels import fused
 from specdec.config import ModelArgs
-from specdec.kv_cache import KVCache
+from specdec.runtime.kv_cache import KVCache
 
 
 @dataclass

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdec.errors import SpecdecError
-from specdec.weights import cache_root, resolve_checkpoint
+from specdec.runtime.weights import cache_root, resolve_checkpoint
 
 
 @dataclass(frozen=True)

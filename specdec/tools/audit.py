@@ -4,11 +4,11 @@ The whole-engine statistical test on the user's own target, proposer and samplin
 a fixed prefix, sample the first n emitted tokens N times through the engine's real loop (propose
 -> verify -> commit -> roll back, batched rows, the engine's own randomness), and compare the
 counts with the target's joint prod_i p(x_i | prefix, x_<i) by Pearson chi-square
-(specdec.distribution). It passes when p > alpha (default 1e-3), no sample has target
+(specdec.tools.distribution). It passes when p > alpha (default 1e-3), no sample has target
 probability 0, and the proposer really drafted.
 
 Speed: `MemoModel` stands in for the target and the draft. The real model's logits at a query
-are a function of the tokens in its cache row at slots 0..position (specdec.model: a query
+are a function of the tokens in its cache row at slots 0..position (specdec.runtime.model: a query
 attends to every slot <= its position, whatever the lengths say). MemoModel keeps exactly that
 state, one token per slot written at the positions the caller gives, and answers from a memo
 keyed by those tokens; misses are computed by the real model, batched, on top of the prefix's
@@ -30,12 +30,13 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec import distribution as dist
-from specdec.config import SamplingParams
+from specdec import rejection
+from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.errors import SpecdecError
-from specdec.harness import Models, make_engine, make_proposer
-from specdec.kv_cache import KVCache
+from specdec.loader import Models, build_engine, with_models
 from specdec.metrics import SpecStats
+from specdec.runtime.kv_cache import KVCache
+from specdec.tools import distribution as dist
 
 # Default prefixes: each gives its proposer something to draft from (a run in which the
 # proposer never drafts tests nothing). Repetitive text for n-gram lookup; code for a draft model.
@@ -95,7 +96,7 @@ class MemoModel:
     __call__ = forward
 
     def next_logits(self, seqs: list[list[int]]) -> torch.Tensor:
-        """logits_fn for specdec.distribution: [len(seqs), V] next-token logits."""
+        """logits_fn for specdec.tools.distribution: [len(seqs), V] next-token logits."""
         return self.logits([tuple(s) for s in seqs])
 
     def logits(self, keys: list[tuple]) -> torch.Tensor:
@@ -157,8 +158,6 @@ class MemoModel:
 def control(name: str | None):
     """A deliberately wrong verifier the test must reject. redraw-from-p: after a rejection,
     redraw from p instead of the residual normalise([p - q]+)."""
-    from specdec import rejection
-
     if name is None:
         yield
         return
@@ -216,9 +215,10 @@ def run_verify(models: Models, s: VerifySettings, progress=None) -> dict:
     max_len = len(prompt) + s.n + 1
     target = MemoModel(models.target, prompt)
     draft = MemoModel(models.draft, prompt) if models.draft is not None else None
-    proposer = make_proposer(s.proposer, draft, V, max_len, s.draft_sampling, s.ngram_min, s.ngram_max)
-    engine = make_engine(target, models.tokenizer, V, proposer, s.k, s.max_draft_tokens, max_len,
-                         max_batch=batch)
+    spec = SpeculativeConfig(draft=models.draft_name, num_draft_tokens=s.k, max_draft_tokens=s.max_draft_tokens,
+                             draft_sampling=s.draft_sampling, proposer=s.proposer, ngram_min=s.ngram_min,
+                             ngram_max=s.ngram_max)
+    engine = build_engine(with_models(models, target, draft), spec, max_model_len=max_len, max_batch=batch)
     stats = SpecStats()
     counts: dict = {}
     deadline = t_start + s.max_seconds

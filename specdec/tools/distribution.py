@@ -23,6 +23,7 @@ import torch
 from specdec import sampling
 from specdec.config import SamplingParams
 from specdec.engine import Engine
+from specdec.rejection import TorchRng
 
 PRUNE = 1e-12  # branches this unlikely change probabilities by < 1e-9 in total: skip them
 REST = ("<rest>",)  # the cell holding every sequence not listed in a truncated joint
@@ -87,9 +88,7 @@ def engine_joint_exact(engine: Engine, prompt: list[int], params: SamplingParams
                     engine.step()
                     return tuple(req.output)
                 finally:
-                    if req in engine.active:
-                        engine.active.remove(req)
-                        engine._release(req)
+                    engine.abort(req)
             for out, pw in enumerate_outcomes(run).items():
                 if len(out) >= n:
                     joint[out[:n]] += w * pw
@@ -173,8 +172,6 @@ def sample_engine(engine: Engine, prompt, params, n_samples: int, batch: int, se
                   stats=None, on_batch=None) -> dict:
     """Counts of the first n tokens from the real engine loop (batched rows, one shared rng).
     `stats` (a SpecStats) accumulates the requests' speculative statistics when given."""
-    from specdec.rejection import TorchRng
-
     counts: dict = defaultdict(int)
     rng = TorchRng(seed)
     engine.reserve(batch)

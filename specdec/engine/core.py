@@ -1,0 +1,339 @@
+"""The engine: one round for every active request, propose -> verify -> commit (stops, rollback).
+
+  1. plan: the k policy gives each row its k (cut so the round's k + 1 tokens fit max_tokens and
+     the context) and, when it prices candidates, which of the proposer's parts drafts;
+  2. propose: the proposer drafts up to k tokens per row (specdec.round.Proposal);
+  3. verify: the target runs one forward over [last committed token, d_1..d_k] at positions
+     L-1..L-1+k, giving p_1..p_{k+1} after the same sampling chain the draft used for q
+     (specdec.logits_state), and specdec.rejection keeps the accepted prefix plus one token;
+  4. commit: token by token, stopping at EOS / stop ids / stop strings / max_tokens / context;
+     then roll back: the target keeps KV for the committed tokens but the last (moving a length),
+     and the proposer is told the row's result and rolls back its own state.
+With no proposer, or k = 0, the same round is plain decoding. The engine owns the target cache's
+lengths (specdec.request says what they hold); it knows proposers and k policies only through
+their protocols (specdec.proposers.base.Proposer, specdec.engine.adaptive.KPolicy).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from specdec import rejection, sampling
+from specdec.config import DEFAULT_MAX_DRAFT_TOKENS, MAX_DRAFT_TOKENS, SamplingParams
+from specdec.engine.adaptive import k_policy
+from specdec.errors import SpecdecError
+from specdec.logits_state import new_state, sampling_groups, stacked_inputs
+from specdec.proposers.base import Proposer
+from specdec.request import Request
+from specdec.round import Choice, Proposal, RoundResult, RowResult
+from specdec.runtime.kv_cache import prefill as kv_prefill
+from specdec.runtime.kv_cache import rows_arg
+from specdec.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class Engine:
+    def __init__(self, model, tokenizer: Tokenizer | None, proposer: Proposer | None = None,
+                 num_draft_tokens: int | str = 0, max_batch: int = 8, max_seq_len: int | None = None,
+                 vocab_size: int | None = None, max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS,
+                 k_cost=None):
+        """num_draft_tokens: a fixed k, or "auto" for adaptive k in [0, max_draft_tokens]
+        (specdec.engine.adaptive; k_cost optionally fixes its cost model). Build engines with
+        specdec.loader.build_engine, which also checks the draft and caps the context."""
+        self.model = model
+        self.tokenizer = tokenizer
+        self.proposer = proposer
+        free = {p.name for p in proposer.parts() if not p.runs_a_model} if proposer is not None else set()
+        self.policy = k_policy(num_draft_tokens if proposer is not None else 0, max_draft_tokens,
+                               k_cost, free_sources=free)
+        # The real vocabulary: ids past it are embedding-table padding and never sampled.
+        self.V = vocab_size or min(model.args.vocab_size, tokenizer.vocab_size)
+        self.max_seq_len = min(max_seq_len or model.args.max_seq_len, model.args.max_seq_len)
+        self.max_batch = max_batch
+        self.cache = model.new_cache(1, self.max_seq_len, headroom=MAX_DRAFT_TOKENS + 1)
+        self.eos_ids = tokenizer.eos_token_ids if tokenizer is not None else frozenset()
+        self.free_rows = [0]
+        self.active: list[Request] = []
+        self._next_id = 0
+
+    # ---- requests -------------------------------------------------------------------------
+    def reserve(self, n_rows: int) -> None:
+        """Make room for n_rows concurrent requests (buffers grow only while idle)."""
+        n_rows = min(n_rows, self.max_batch)
+        if n_rows <= self.cache.batch_size or self.active:
+            return
+        self.cache = self.model.new_cache(n_rows, self.max_seq_len, headroom=MAX_DRAFT_TOKENS + 1)
+        self.free_rows = list(range(n_rows))
+        if self.proposer is not None:
+            self.proposer.reserve(n_rows)
+
+    def add_request(self, prompt: list[int], params: SamplingParams, rng=None,
+                    output_prefix: list[int] = ()) -> Request:
+        if not prompt:
+            raise SpecdecError("prompt is empty; it needs at least 1 token")
+        if len(prompt) + len(output_prefix) >= self.max_seq_len:
+            raise SpecdecError(
+                f"prompt has {len(prompt)} tokens; allowed 1..{self.max_seq_len - 1} "
+                f"(the context length is {self.max_seq_len})")
+        bad = [t for t in prompt if not 0 <= t < self.model.args.vocab_size]
+        if bad:
+            raise SpecdecError(f"prompt token id {bad[0]} is out of range [0, {self.model.args.vocab_size})")
+        if not self.free_rows:
+            self.reserve(self.cache.batch_size + 1)
+        if not self.free_rows:
+            raise SpecdecError(f"too many concurrent requests; max_batch is {self.max_batch}")
+        row = self.free_rows.pop(0)
+        req = Request(id=self._next_id, prompt=list(prompt), params=params, row=row,
+                      rng=rng or rejection.TorchRng(params.seed, self.model.device),
+                      tokens=list(prompt),
+                      logits_state=new_state(params, self.V, prompt, self.model.device),
+                      detok=IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None)
+        self._next_id += 1
+        for t in output_prefix:  # resume (used by exact-distribution tests)
+            req.output.append(t)
+            req.tokens.append(t)
+            req.logits_state.commit(t)
+        self.cache.set_length(row, 0)
+        if self.proposer is not None:
+            self.proposer.begin(req)
+        self.policy.begin(req)
+        self.active.append(req)
+        return req
+
+    def abort(self, req: Request) -> None:
+        """End a request now (finish_reason "abort" unless it had finished) and free its rows in
+        the target cache and the proposer. A request no longer active is left as it is."""
+        if req not in self.active:
+            return
+        if not req.finished:
+            req.finish_reason = "abort"
+        self.active.remove(req)
+        if self.proposer is not None:
+            self.proposer.release(req)
+        self.policy.release(req)
+        self.cache.set_length(req.row, 0)
+        self.free_rows.append(req.row)
+        self.free_rows.sort()
+
+    def abort_all(self) -> None:
+        for r in list(self.active):
+            self.abort(r)
+
+    # ---- the round -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> RoundResult:
+        """One round for every active request."""
+        reqs = [r for r in self.active if not r.finished]
+        if not reqs:
+            return RoundResult([], 0, 0.0, 0.0)
+        self._prefill(reqs)
+        t0 = time.perf_counter()
+        choices = [self._plan(r, len(reqs)) for r in reqs]
+        prop, t_draft = self._propose(reqs, choices)
+        logits, hidden, t_target = self._score(reqs, prop)
+        out, n_emit = self._verify(reqs, logits, prop)
+        rows = self._commit(reqs, choices, prop, out, n_emit, hidden, t_draft, t_target, t0)
+        for r in reqs:
+            if r.finished:
+                self.abort(r)  # (finished: only frees its rows)
+        return RoundResult(rows, prop.tokens.shape[1] + 1, t_draft, t_target)
+
+    def _prefill(self, reqs: list[Request]) -> None:
+        """Give the target KV for every committed token but the last (one padded forward), and
+        a draft model that will draft its prompt's KV likewise (Proposer.prefill)."""
+        t0 = time.perf_counter()
+        todo = kv_prefill(self.model, self.cache, reqs)
+        if not todo:
+            return
+        # A draft model's prompt is prompt processing too, where it will surely be needed: at a
+        # fixed k > 0, for requests with room to draft (adaptive k prices it as catch-up and may
+        # never start the draft model).
+        if self.proposer is not None and self.policy.prefills_draft:
+            drafting = [r for r in todo if min(self.policy.k_max, self._room(r)[0]) > 0]
+            if drafting:
+                t1 = time.perf_counter()
+                self.proposer.prefill(drafting)
+                dt_draft = time.perf_counter() - t1
+                for r in drafting:
+                    r.draft_prefill_time += dt_draft
+        dt = time.perf_counter() - t0
+        for r in todo:
+            r.prefill_time += dt
+
+    def _room(self, r: Request) -> tuple[int, int]:
+        """(most drafts this round, tokens left): a round emits up to k + 1 tokens, and they must
+        fit in max_tokens and the context."""
+        left = min(r.params.max_tokens - len(r.output), self.max_seq_len - len(r.tokens))
+        return max(0, min(left - 1, MAX_DRAFT_TOKENS)), left
+
+    def _plan(self, r: Request, batch_size: int) -> Choice:
+        if self.proposer is None:
+            return Choice(0)
+        limit, left = self._room(r)
+        return self.policy.plan(r, batch_size, limit, lambda k: self.proposer.peek(r, k), left)
+
+    def _propose(self, reqs: list[Request], choices: list[Choice]) -> tuple[Proposal, float]:
+        B, ks = len(reqs), [c.k for c in choices]
+        dev = self.model.device
+        if self.proposer is None or max(ks) == 0:
+            return Proposal(tokens=torch.zeros(B, 0, dtype=torch.long, device=dev),
+                            num_draft=torch.zeros(B, dtype=torch.long, device=dev), q=None), 0.0
+        t0 = time.perf_counter()
+        prop = self.proposer.propose(reqs, ks, only=[c.source for c in choices])
+        t_draft = time.perf_counter() - t0
+        assert prop.parents is None, "draft trees are not verified yet: a proposal is a chain"
+        if prop.source is None:
+            prop.source = [self.proposer.name] * B
+        self.policy.observe_draft(max(ks), t_draft, prop)
+        return prop, t_draft
+
+    def _score(self, reqs: list[Request], prop: Proposal):
+        """The verify forward: logits [B, k + 1, V] (and hidden states [B, k + 1, dim] when the
+        proposer wants them) at positions L-1..L-1+k of each row."""
+        dev = self.model.device
+        B, k = prop.tokens.shape
+        L = torch.tensor([len(r.tokens) for r in reqs], device=dev)
+        last = torch.tensor([[r.tokens[-1]] for r in reqs], device=dev)
+        feed = torch.cat([last, prop.tokens.to(dev)], dim=1)  # [B, k + 1]
+        positions = (L - 1).unsqueeze(1) + torch.arange(k + 1, device=dev)  # [B, k + 1]
+        want_hidden = self.proposer is not None and self.proposer.wants_hidden_states
+        t0 = time.perf_counter()
+        out = self.model.forward(feed, positions, self.cache, rows=rows_arg(reqs, dev),
+                                 return_hidden=want_hidden)
+        logits, hidden = out if want_hidden else (out, None)
+        t_target = time.perf_counter() - t0
+        self.policy.observe_target(B, k + 1, t_target)
+        return logits[..., : self.V], hidden, t_target
+
+    def _verify(self, reqs: list[Request], logits: torch.Tensor, prop: Proposal):
+        """(tokens [B, k + 1], emitted [B]): rows that share sampling params and rng are verified
+        in one call."""
+        drafts, num_draft, q = prop.tokens, prop.num_draft, prop.q
+        B, k = drafts.shape
+        out = torch.empty(B, k + 1, dtype=torch.long, device=logits.device)
+        n_emit = torch.empty(B, dtype=torch.long, device=logits.device)
+        for params, rng, idx in sampling_groups(reqs):
+            ix = torch.tensor(idx, device=logits.device)
+            inp = stacked_inputs(reqs, idx, drafts)  # [G (k + 1), V] per-position penalties
+            flat = logits[ix].flatten(0, 1)  # [G (k + 1), V]
+            if params.greedy:
+                am = sampling.greedy_tokens(flat, params, inp.counts, inp.seen).view(len(idx), k + 1)
+                o, n = rejection.greedy_verify(am, drafts[ix], num_draft[ix])
+            else:
+                p = sampling.probabilities(flat, params, inp.counts, inp.seen).view(len(idx), k + 1, -1)
+                o, n = rejection.stochastic_verify(p, None if q is None else q[ix], drafts[ix],
+                                                   num_draft[ix], rng)
+            out[ix], n_emit[ix] = o, n
+        return out, n_emit
+
+    def _commit(self, reqs, choices, prop, out, n_emit, hidden, t_draft, t_target, t0) -> list[RowResult]:
+        """Append each row's emitted tokens up to a stop, roll the target back to the committed
+        tokens, tell the proposer and the k policy, and charge each row its share of the time."""
+        out_l, n_emit_l, nd_l = out.tolist(), n_emit.tolist(), prop.num_draft.tolist()  # one sync
+        sources = prop.source or [None] * len(reqs)
+        drafting = sum(1 for n in nd_l if n)
+        proposed = self.proposer is not None and any(c.k for c in choices)
+        rows = []
+        for b, r in enumerate(reqs):
+            L = len(r.tokens)
+            committed = []
+            for t in out_l[b][: n_emit_l[b]]:
+                committed.append(t)
+                self._append(r, t)
+                if r.finished:
+                    break
+            # Accepted drafts cut by a stop are neither emitted nor counted (docs/pitfalls.md 6).
+            n_acc = min(n_emit_l[b] - 1, len(committed))
+            c = choices[b]
+            r.stats.record_round(nd_l[b], n_acc, c.k, sources[b])
+            if nd_l[b]:
+                r.stats.draft_time += t_draft / drafting
+                r.stats.draft_forwards += nd_l[b]
+            r.stats.target_time += t_target / len(reqs)
+            r.stats.target_forwards += 1
+            self.policy.observe_round(r, nd_l[b], n_acc, sources[b], c.key)
+            # Target KV: committed tokens but the last. Drafts past the commit are rolled back.
+            self.cache.set_length(r.row, min(L + n_acc, len(r.tokens) - 1))
+            res = RowResult(request=r, k=c.k, drafted=nd_l[b], accepted=n_acc, committed=committed,
+                            source=sources[b] if nd_l[b] else None, key=c.key if nd_l[b] else None,
+                            delta=self._stream_delta(r),
+                            hidden=None if hidden is None else hidden[b, : len(committed)])
+            if proposed:  # a proposer is only told about rounds it was asked to draft for
+                self.proposer.accept(r, res)
+            r.decode_time += time.perf_counter() - t0
+            rows.append(res)
+        return rows
+
+    # ---- commit and stops ------------------------------------------------------------------
+    def _append(self, r: Request, t: int) -> None:
+        assert 0 <= t < self.V, f"token id {t} outside the vocabulary [0, {self.V})"
+        r.output.append(t)
+        r.tokens.append(t)
+        r.logits_state.commit(t)
+        p = r.params
+        if r.detok is not None:
+            before = len(r.text)
+            r.detok.push(t)
+            r.text = r.detok.text
+            if p.stop:
+                longest = max(len(s) for s in p.stop)
+                window_start = max(0, before - longest + 1)
+                hits = [(i, s) for s in p.stop if (i := r.text.find(s, window_start)) >= 0]
+                if hits:
+                    r.text = r.text[: min(i for i, _ in hits)]
+                    r.finish_reason = "stop"
+                    return
+        if (t in self.eos_ids and not p.ignore_eos) or t in p.stop_token_ids:
+            r.finish_reason = "stop"
+        elif len(r.output) >= p.max_tokens or len(r.tokens) >= self.max_seq_len:
+            r.finish_reason = "length"
+
+    def _stream_delta(self, r: Request) -> str:
+        """New text for the caller, holding back a tail that may still become a stop string."""
+        end = len(r.text)
+        if not r.finished and r.params.stop:
+            for s in r.params.stop:
+                for n in range(min(len(s) - 1, end), 0, -1):
+                    if r.text.endswith(s[:n]):
+                        end = min(end, len(r.text) - n)
+                        break
+        end = max(end, r.streamed)
+        delta = r.text[r.streamed:end]
+        r.streamed = end
+        return delta
+
+    # ---- driving ---------------------------------------------------------------------------
+    def run(self, on_event=None) -> None:
+        """Step until every active request has finished; abandoned runs release their rows."""
+        try:
+            while any(not r.finished for r in self.active):
+                self._emit(self.step(), on_event)
+        finally:
+            self.abort_all()
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 on_event=None) -> list[Request]:
+        """Every prompt to its end, at most max_batch at a time; on_event(request, new text)."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise SpecdecError(f"got {len(plist)} sampling params for {len(prompts)} prompts")
+        done: list[Request] = []
+        i = 0
+        self.reserve(len(prompts))
+        try:
+            while i < len(prompts) or self.active:
+                while i < len(prompts) and self.free_rows:
+                    done.append(self.add_request(prompts[i], plist[i]))
+                    i += 1
+                self._emit(self.step(), on_event)
+        finally:  # an exception or an abandoned stream leaves no row half-used
+            self.abort_all()
+        return done
+
+    @staticmethod
+    def _emit(result: RoundResult, on_event) -> None:
+        if on_event is not None:
+            for row in result.rows:
+                if row.delta:
+                    on_event(row.request, row.delta)

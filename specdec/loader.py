@@ -1,0 +1,155 @@
+"""One way to build an engine: models + tokenizer + draft compatibility + context cap + proposer.
+
+Used by the faces (specdec.api, specdec.cli), the tools (bench, verify), the tests and the
+benchmarks. A model argument is a registry name, a GGUF file, an HF directory, or an already loaded
+(Transformer, Tokenizer) pair (tests pass tiny random models this way). Weight storage `dtype`:
+"auto" (the default) runs a GGUF at its own quantisation ("native", as llama.cpp does) and an HF
+directory in fp32; see specdec.config.DTYPES for the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specdec.config import DEFAULT_MAX_DRAFT_TOKENS, DTYPES, SpeculativeConfig
+from specdec.engine import Engine
+from specdec.errors import SpecdecError
+from specdec.proposers import CompositeProposer, DraftModelProposer, NgramProposer
+from specdec.runtime.hub import REGISTRY, model_path, resolve_model
+from specdec.runtime.kernels.quant import QuantTensor, requantise
+from specdec.runtime.model import Transformer
+from specdec.runtime.tokenizer import Tokenizer
+from specdec.runtime.weights import load_hf_dir, read_gguf_native
+
+# GGUF block types with more bits per weight than Q4_0's 4.5 (Q8_0 8.5, Q6_K 6.56, Q5_0 5.5,
+# Q4_1 5.0): what dtype q4_0 requantises (~0.8x the time per 0.5B Qwen decode step here)
+REQUANTISED = ("Q8_0", "Q6_K", "Q5_0", "Q4_1")
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _gguf_path(name: str) -> Path | None:
+    """The GGUF file behind a registry name or a .gguf path; None for an HF directory."""
+    if name in REGISTRY:
+        return model_path(name)
+    p = Path(name).expanduser()
+    return p if p.suffix.lower() == ".gguf" else None
+
+
+def load_model(name: str, dtype: str = "auto", device: str | None = None, progress=None):
+    """(Transformer, Tokenizer) from a registry name, a GGUF file or an HF directory."""
+    if dtype not in DTYPES:
+        raise SpecdecError(f"dtype={dtype!r}; allowed: {', '.join(DTYPES)}")
+    device = device or default_device()
+    if device not in ("cpu", "cuda"):
+        raise SpecdecError(f"device={device!r}; allowed: cpu, cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SpecdecError("device='cuda' but no CUDA device is available; use --device cpu")
+    path = resolve_model(name, progress)
+    gguf = _gguf_path(name)
+    if dtype == "auto":
+        dtype = "native" if gguf is not None else "fp32"
+    if dtype in ("native", "q4_0"):  # weights straight from the GGUF file, still quantised
+        if gguf is None:
+            raise SpecdecError(f"dtype={dtype!r} needs a GGUF model (registry name or .gguf file), got {name!r}")
+        args, state = read_gguf_native(gguf)
+        if dtype == "q4_0":
+            state = _requantised(state, args.tie_embeddings)
+        dtype = "native"
+    else:
+        args, state = load_hf_dir(path)
+    tok = Tokenizer.load(path)
+    return Transformer(args, state, dtype=dtype, device=device), tok
+
+
+def _requantised(state: dict, tied: bool) -> dict:
+    """Every block-quantised matrix the kernel streams (not an untied embedding: only its
+    looked-up rows are read; not fp16/fp32 matrices) requantised to Q4_0 where its own type
+    has more bits per weight."""
+    return {n: requantise(w, "Q4_0") if isinstance(w, QuantTensor) and w.qtype in REQUANTISED
+            and (tied or n != "model.embed_tokens.weight") else w for n, w in state.items()}
+
+
+def check_draft_compatible(target_tok: Tokenizer, draft_tok: Tokenizer, t_name: str, d_name: str) -> int:
+    """The shared real vocabulary size; refuse drafts whose tokens differ from the target's."""
+    tv, dv = target_tok.real_vocab, draft_tok.real_vocab  # padding entries may differ
+    if tv != dv:
+        diff = len(set(tv.items()) ^ set(dv.items()))
+        raise SpecdecError(
+            f"draft {d_name!r} has an incompatible tokenizer: vocabulary of {len(dv)} tokens vs the "
+            f"target {t_name!r}'s {len(tv)} ({diff} token/id pairs differ); the draft must use the "
+            "target's tokenizer")
+    return target_tok.vocab_size
+
+
+@dataclass
+class Models:
+    target: object  # Transformer (or anything with its forward / new_cache / args)
+    tokenizer: object | None  # Tokenizer (None: token ids only, as in tests on random models)
+    draft: object | None  # the draft model, when one was asked for
+    vocab: int  # the real vocabulary shared by target and draft
+    name: str
+    draft_name: str | None
+
+    def context_length(self, max_model_len: int | None = None) -> int:
+        """The context a request may reach: the cap asked for, within both models' own."""
+        limits = [self.target.args.max_seq_len]
+        if self.draft is not None:
+            limits.append(self.draft.args.max_seq_len)
+        if max_model_len is not None:
+            limits.append(max_model_len)
+        return min(limits)
+
+
+def _load(model, dtype, device, progress):
+    return model if isinstance(model, tuple) else load_model(model, dtype, device, progress)
+
+
+def load_models(model, draft=None, dtype="auto", draft_dtype="auto", device=None, progress=None) -> Models:
+    target, tok = _load(model, dtype, device, progress)
+    vocab = min(target.args.vocab_size, tok.vocab_size) if tok is not None else target.args.vocab_size
+    dm = None
+    if draft is not None:
+        dm, dtok = _load(draft, draft_dtype, device, progress)
+        if tok is not None:
+            vocab = min(check_draft_compatible(tok, dtok, str(model), str(draft)), vocab)
+        vocab = min(vocab, dm.args.vocab_size)
+    return Models(target, tok, dm, vocab, str(model) if isinstance(model, str) else "model",
+                  None if draft is None else (str(draft) if isinstance(draft, str) else "draft"))
+
+
+def make_proposer(spec: SpeculativeConfig, models: Models, max_seq_len: int):
+    """A fresh proposer (proposers keep per-request state: one per engine)."""
+    if spec.proposer in ("draft", "composite") and models.draft is None:
+        raise SpecdecError(f"proposer={spec.proposer!r} needs a draft model (--draft MODEL)")
+    if spec.proposer == "ngram":
+        return NgramProposer(spec.ngram_min, spec.ngram_max)
+    dm = DraftModelProposer(models.draft, models.vocab, max_seq_len, spec.draft_sampling)
+    if spec.proposer == "draft":
+        return dm
+    return CompositeProposer([NgramProposer(spec.ngram_min, spec.ngram_max), dm])
+
+
+def build_engine(models: Models, spec: SpeculativeConfig | None = None, max_model_len: int | None = None,
+                 max_batch: int = 1, k_cost=None) -> Engine:
+    """An engine on `models`: plain decoding without `spec` (or with k = 0), else speculative
+    with spec's proposer and k (an int, or "auto")."""
+    max_len = models.context_length(max_model_len)
+    speculative = spec is not None and spec.num_draft_tokens != 0
+    proposer = make_proposer(spec, models, max_len) if speculative else None
+    return Engine(models.target, models.tokenizer, proposer,
+                  num_draft_tokens=spec.num_draft_tokens if speculative else 0,
+                  max_batch=max_batch, max_seq_len=max_len, vocab_size=models.vocab,
+                  max_draft_tokens=spec.max_draft_tokens if speculative else DEFAULT_MAX_DRAFT_TOKENS,
+                  k_cost=k_cost)
+
+
+def with_models(models: Models, target=None, draft=None) -> Models:
+    """The same models with the target and / or draft replaced (a memo or test wrapper)."""
+    return dataclasses.replace(models, target=target or models.target, draft=draft or models.draft)

@@ -1,0 +1,100 @@
+"""Per-request logits state: what the sampling chain needs besides the logits, at every candidate
+position of a round, and how committed tokens update it.
+
+A history-dependent transform (repetition, presence and frequency penalties today; a grammar
+matcher next) must see each position's own prefix during verification: position i of a round sees
+the committed tokens plus drafts d_1..d_i-1, on p and on q alike (docs/pitfalls.md 7). A `LogitsState`
+answers `inputs(drafts)` for the k + 1 positions without changing itself, and `commit(token)` for
+each token the engine commits; rejected drafts never touch it, so there is nothing to roll back.
+
+`sampling_groups` and `stacked_inputs` are the one place where rows are grouped by (sampling
+params, rng) and their per-position inputs stacked: the engine (p) and the draft model (q) both use
+them, so p and q go through the same chain by construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from specdec import sampling
+from specdec.config import SamplingParams
+
+
+@dataclass
+class LogitsInputs:
+    """Inputs of the sampling chain for T positions (None: the chain needs none)."""
+
+    counts: torch.Tensor | None = None  # [T, V] float: occurrences in the output before each position
+    seen: torch.Tensor | None = None  # [T, V] bool: occurs in prompt or output before each position
+
+    def last(self) -> "LogitsInputs":
+        return LogitsInputs(*(None if t is None else t[-1:] for t in (self.counts, self.seen)))
+
+
+class LogitsState(Protocol):
+    def inputs(self, drafts: torch.Tensor) -> LogitsInputs:
+        """Inputs at the len(drafts) + 1 positions of a round: position i sees drafts[:i] on top
+        of the committed tokens. Pure: the state is unchanged."""
+        ...
+
+    def commit(self, token: int) -> None:
+        """A token was committed to the request's history."""
+        ...
+
+
+class NoState:
+    """Sampling without history-dependent transforms."""
+
+    def inputs(self, drafts: torch.Tensor) -> LogitsInputs:
+        return LogitsInputs()
+
+    def commit(self, token: int) -> None:
+        pass
+
+
+class PenaltyState:
+    """Repetition penalty (prompt + output, Hugging Face semantics) and presence / frequency
+    penalties (output only, OpenAI semantics)."""
+
+    def __init__(self, vocab_size: int, prompt: list[int], device):
+        self.V = vocab_size
+        self.counts = torch.zeros(vocab_size, device=device)  # [V] float: in the output
+        self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)  # [V] prompt + output
+        ids = torch.tensor([t for t in prompt if t < vocab_size], dtype=torch.long, device=device)
+        self.seen[ids] = True
+
+    def inputs(self, drafts: torch.Tensor) -> LogitsInputs:
+        counts, seen = sampling.prefix_counts(self.counts, self.seen, drafts)
+        return LogitsInputs(counts, seen)
+
+    def commit(self, token: int) -> None:
+        self.counts[token] += 1
+        self.seen[token] = True
+
+
+def new_state(params: SamplingParams, vocab_size: int, prompt: list[int], device) -> LogitsState:
+    if params.has_penalties:
+        return PenaltyState(vocab_size, prompt, device)
+    return NoState()
+
+
+def sampling_groups(reqs) -> list[tuple[SamplingParams, object, list[int]]]:
+    """[(params, rng, row indices)]: rows that share sampling params and rng, sampled in one call."""
+    groups: dict[tuple, list[int]] = {}
+    for b, r in enumerate(reqs):
+        groups.setdefault((id(r.params), id(r.rng)), []).append(b)
+    return [(reqs[idx[0]].params, reqs[idx[0]].rng, idx) for idx in groups.values()]
+
+
+def stacked_inputs(reqs, idx: list[int], drafts: list[torch.Tensor], last_only: bool = False) -> LogitsInputs:
+    """Rows idx's inputs stacked as [sum_b T_b, V] (T_b = len(drafts[b]) + 1), in row order;
+    last_only: only each row's last position ([len(idx), V])."""
+    parts = [reqs[b].logits_state.inputs(drafts[b]) for b in idx]
+    if last_only:
+        parts = [p.last() for p in parts]
+    if parts[0].counts is None:
+        return LogitsInputs()
+    return LogitsInputs(torch.cat([p.counts for p in parts]), torch.cat([p.seen for p in parts]))
