@@ -34,6 +34,7 @@
 
 namespace {
 
+// ============================ Shared: sums, exp, checks =====================
 inline float hsum(__m256 v) {  // fixed order: (lo + hi) then pairwise
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -69,6 +70,7 @@ void check_f32(const torch::Tensor& t, const char* name) {
               " must be a contiguous fp32 CPU tensor");
 }
 
+// ============================ Attention: tiles of queries over the cache ====
 // o[0:D] = sum_i e[i] v[slot i] for D a multiple of 8 up to 8 * NV, in registers.
 template <int NV>
 inline void weighted_sum(const float* e, const int32_t* js, int64_t n, const float* vb, int64_t vs,
@@ -203,6 +205,7 @@ void attend_tile(const float* q, const int64_t* n, int64_t D, const float* kb, i
 
 }  // namespace
 
+// ============================ add_rms_norm ==================================
 // x [R, C] (updated in place: x += d), d [R, C] or None, w [C]; returns rms_norm(x) * w [R, C].
 torch::Tensor add_rms_norm(torch::Tensor x, const c10::optional<torch::Tensor>& d_opt,
                            const torch::Tensor& w, double eps) {
@@ -254,6 +257,7 @@ torch::Tensor add_rms_norm(torch::Tensor x, const c10::optional<torch::Tensor>& 
   return out;
 }
 
+// ============================ silu_mul ======================================
 // gu [..., 2I] = [gate | up] -> silu(gate) * up [..., I], silu(g) = g / (1 + exp(-g)).
 torch::Tensor silu_mul(const torch::Tensor& gu) {
   check_f32(gu, "gu");
@@ -284,6 +288,7 @@ torch::Tensor silu_mul(const torch::Tensor& gu) {
   return out;
 }
 
+// ============================ attend: RoPE, KV write, attention =============
 // qkv [B, T, (H + 2 Hkv) D] (the fused projection, bias added); positions [B, T] int64;
 // cos, sin [P, D/2]; kc, vc [Bc, Hkv, S, D] one layer's cache (last dim contiguous);
 // rows [B] int64 cache row of each batch row, or None for 0..B-1; mask [B, T, T] bool or None.
@@ -497,6 +502,7 @@ torch::Tensor attend(const torch::Tensor& qkv, const torch::Tensor& positions, c
   return out;
 }
 
+// ============================ Python binding ================================
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "x += d; rms_norm(x) * w");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");

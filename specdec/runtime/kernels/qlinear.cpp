@@ -71,6 +71,7 @@
 
 namespace {
 
+// ============================ Formats: block layouts and traits =============
 constexpr int NR = 16;  // outputs per panel
 
 // Q6_K2: Q6_K's values in the AVX2 layout of its code planes (see decode_half); AVX2 only.
@@ -163,6 +164,7 @@ inline __m256i decode_half(const uint8_t* lo, const uint8_t* hi, int s) {
   }
 }
 
+// ============================ Activations: int8 blocks of a call ============
 // Quantised activations, in 32-blocks for the 32-k formats and 256-blocks for the K-quants
 // (a call quantises x once per block size its segments need).
 struct Act {
@@ -274,6 +276,7 @@ inline void prefetch_share(const uint8_t* pf, int i) {
     _mm_prefetch(reinterpret_cast<const char*>(pf + i * step + off), _MM_HINT_T0);
 }
 
+// ============================ AVX2 routine: rows of one record ==============
 // One record, R <= 5 rows.  The 16 outputs are two halves of 8 (one ymm each), run
 // together: each decoded weight and each broadcast x serve both halves.  (Q6_K used to run
 // the halves one after the other at R > 2, when its float epilogue per 16-k sub-block kept
@@ -554,6 +557,7 @@ struct Rows {  // one record, R <= 8 rows
 #pragma GCC pop_options
 
 
+// ============================ Panels: one routine over a panel's records ====
 // One panel (16 outputs) for all M rows: acc [M][16] = the panel's sums.
 // Rows: the ISA's record routine for groups of <= MR rows.
 template <int F, template <int, int> class Rows, int MR>
@@ -616,6 +620,7 @@ PanelFn panel_fn(int64_t fmt, bool wide) {
   }
 }
 
+// ============================ CPU dispatch and record sizes =================
 bool cpu_has_avx512_vnni() {
   static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
@@ -650,6 +655,7 @@ int64_t record_k(int64_t fmt) { return fmt == Q4_K || fmt == Q6_K || fmt == Q6_K
 // nearbyint does.
 constexpr float kTiny = 7.888609052210118e-31f;  // 2^-100
 
+// ============================ Activation quantisation =======================
 // Blocks u0 .. u1-1 of the M * (K / B) (row-major: block u is row u / (K / B)); each block's
 // outputs depend on its own 32 or 256 inputs only, so threads may split the blocks freely.
 template <int B>
@@ -720,6 +726,7 @@ void quantise_rows(const float* x, int64_t K, int64_t u0, int64_t u1, int8_t* xq
   }
 }
 
+// ============================ Entry point: qlinear (threads, chunks) ========
 // out[..., sum(ns)] = x[..., K] @ [W_0; W_1; ...]^T (+ bias): the segments are
 // row blocks of one fused weight (e.g. q, k, v), each in its own format.
 torch::Tensor qlinear(const torch::Tensor& x_in, const std::vector<torch::Tensor>& packed,
@@ -858,6 +865,7 @@ std::vector<int64_t> layout(int64_t fmt) { return {record_k(fmt), record_bytes(f
 
 }  // namespace
 
+// ============================ Python binding ================================
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "specdec few-row linear on GGUF-quantised weights (AVX2, int8 activations)";
   m.def("qlinear", &qlinear, "out = x @ [W_0; W_1; ...]^T (+ bias), W quantised and repacked",
