@@ -97,7 +97,7 @@ def main():
     print(f"{'specdec (plain)':<28}{o:>10.1f}")
     print(f"{'transformers generate':<28}{t:>10.1f}")
     print(f"{'ratio':<28}{o / t:>10.2f}x")
-    print(f"\nverify-cost curve (256-token cache): forward(k) / forward(1)")
+    print("\nverify-cost curve (256-token cache): forward(k) / forward(1)")
     for k, (sec, r) in curve.items():
         print(f"  k={k:<3} {sec * 1e3:8.1f} ms  {r:5.2f}x")
     print(f"\nload time (converted cache): {load_s:.2f} s")

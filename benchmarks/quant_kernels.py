@@ -50,7 +50,7 @@ def main():
             print(f"skip {qtype}: {model} not fetched")
             continue
         t = next(t for t in GGUFReader(str(model_path(model))).tensors if t.name == name)
-        n, k = int(t.shape[1]), int(t.shape[0])
+        k = int(t.shape[0])
         rows = np.asarray(t.data)
         reps = max(1, int(a.mb * 2**20 // rows.nbytes) + 1)
         raw = np.tile(rows, (reps, 1))[: int(a.mb * 2**20 // rows.shape[1])]

@@ -11,15 +11,16 @@ class SpecdecError(ValueError):
 
 
 def check_range(name: str, value, lo=None, hi=None, lo_open=False, hi_open=False) -> None:
-    """Raise SpecdecError unless lo <= value <= hi (with optional open ends)."""
+    """Raise SpecdecError unless value is a number (not a bool, not NaN) with lo <= value <= hi
+    (with optional open ends). NaN fails every comparison, so it must be refused by name."""
+    left, right = "(" if lo_open else "[", ")" if hi_open else "]"
+    allowed = f"{left}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}{right}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise SpecdecError(f"{name}={value!r} is not a number; allowed {allowed}")
     bad = False
     if lo is not None:
         bad |= value <= lo if lo_open else value < lo
     if hi is not None:
         bad |= value >= hi if hi_open else value > hi
     if bad:
-        left = "(" if lo_open else "["
-        right = ")" if hi_open else "]"
-        lo_s = "-inf" if lo is None else lo
-        hi_s = "inf" if hi is None else hi
-        raise SpecdecError(f"{name}={value!r} is out of range; allowed {left}{lo_s}, {hi_s}{right}")
+        raise SpecdecError(f"{name}={value!r} is out of range; allowed {allowed}")

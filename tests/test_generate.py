@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from specdec.config import SamplingParams
+from specdec.errors import SpecdecError
 from specdec.engine import Engine
 
 PROMPTS = [
@@ -160,3 +161,16 @@ def test_speculative_config_errors(cfg, needle):
 
     with pytest.raises(SpecdecError, match=needle.replace("(", r"\(").replace(")", r"\)")):
         SpeculativeConfig(**cfg)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", float("nan")), ("top_p", float("nan")), ("min_p", float("nan")),
+    ("repetition_penalty", float("nan")), ("presence_penalty", float("nan")),
+    ("frequency_penalty", float("nan")), ("temperature", "0.5"), ("top_k", True), ("min_p", None),
+])
+def test_sampling_params_refuse_nan_and_non_numbers(field, value):
+    """NaN fails every comparison, so a range check alone lets it through (it once reached an
+    assertion, a torch error or a silent no-op); a string or a bool is not a number either.
+    Each is refused naming the field and the allowed range."""
+    with pytest.raises(SpecdecError, match=rf"^{field}=.* allowed [\[(]"):
+        SamplingParams(**{field: value})
