@@ -85,12 +85,16 @@ def _proposer(kind, draft, V):
                                      ("draft", "auto"), ("composite", "auto")])
 @pytest.mark.parametrize("batched", [False, True])
 def test_proposers_and_adaptive_k_equal_plain(pair, prompts, plain, kind, k, batched):
-    """n-gram, composite and adaptive k (issue #5) on the real pair, batch 1 and batched."""
+    """n-gram, composite and adaptive k (issue #5) on the real pair, batch 1 and batched.
+
+    Adaptive k runs on a fixed cost model (t_target(k) = 1 + 0.1 k, the draft free): with
+    measured costs it may rightly never start an fp32 draft model on these long prompts (its
+    catch-up is priced), and the test would then compare plain with plain."""
     from specdec.engine import Engine
 
     target, draft, tok, V = pair
     eng = Engine(target, tok, _proposer(kind, draft, V), num_draft_tokens=k, max_seq_len=1024,
-                 max_batch=3, vocab_size=V)
+                 max_batch=3, vocab_size=V, k_cost=(lambda B, kk: 1.0 + 0.1 * kk) if k == "auto" else None)
     params = SamplingParams(temperature=0, max_tokens=128)
     if batched:
         reqs = eng.generate(prompts[:3], params)
