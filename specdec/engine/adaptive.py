@@ -26,7 +26,7 @@ they are, and a usually-wrong 1-token match no longer keeps the draft model from
 
 A draft model that has not run for a while must first feed every token committed since (on
 its first round: the whole prompt; the engine prefills it with the target's only at a fixed k) -- a prefill that can cost more than the round itself. A
-candidate's catch-up (`peek`'s fourth field) is priced at the proposer's measured seconds per
+candidate's catch-up (`Candidate.catch_up`) is priced at the proposer's measured seconds per
 caught-up token, spread over the request's next min(remaining, 32) tokens (the prefill is paid
 once and serves later rounds, but a composite's n-gram may take over again, so it is not
 assumed to pay back over the whole answer): rate = 1 / (round cost / E[tokens] + catch-up /
