@@ -30,14 +30,15 @@ class LogitsInputs:
     counts: torch.Tensor | None = None  # [T, V] float: occurrences in the output before each position
     seen: torch.Tensor | None = None  # [T, V] bool: occurs in prompt or output before each position
 
-    def last(self) -> "LogitsInputs":
-        return LogitsInputs(*(None if t is None else t[-1:] for t in (self.counts, self.seen)))
+
+NO_INPUTS = LogitsInputs()
 
 
 class LogitsState(Protocol):
-    def inputs(self, drafts: torch.Tensor) -> LogitsInputs:
+    def inputs(self, drafts: torch.Tensor, last_only: bool = False) -> LogitsInputs:
         """Inputs at the len(drafts) + 1 positions of a round: position i sees drafts[:i] on top
-        of the committed tokens. Pure: the state is unchanged."""
+        of the committed tokens (last_only: only the last position, the one a draft model samples
+        next). Pure: the state is unchanged."""
         ...
 
     def commit(self, token: int) -> None:
@@ -48,8 +49,8 @@ class LogitsState(Protocol):
 class NoState:
     """Sampling without history-dependent transforms."""
 
-    def inputs(self, drafts: torch.Tensor) -> LogitsInputs:
-        return LogitsInputs()
+    def inputs(self, drafts: torch.Tensor, last_only: bool = False) -> LogitsInputs:
+        return NO_INPUTS
 
     def commit(self, token: int) -> None:
         pass
@@ -60,13 +61,15 @@ class PenaltyState:
     penalties (output only, OpenAI semantics)."""
 
     def __init__(self, vocab_size: int, prompt: list[int], device):
-        self.V = vocab_size
         self.counts = torch.zeros(vocab_size, device=device)  # [V] float: in the output
         self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)  # [V] prompt + output
         ids = torch.tensor([t for t in prompt if t < vocab_size], dtype=torch.long, device=device)
         self.seen[ids] = True
 
-    def inputs(self, drafts: torch.Tensor) -> LogitsInputs:
+    def inputs(self, drafts: torch.Tensor, last_only: bool = False) -> LogitsInputs:
+        if last_only:  # one position, not len(drafts) + 1: the draft loop asks once per draft
+            counts = self.counts.index_add(0, drafts, torch.ones_like(drafts, dtype=self.counts.dtype))
+            return LogitsInputs(counts[None], (self.seen | (counts > self.counts))[None])
         counts, seen = sampling.prefix_counts(self.counts, self.seen, drafts)
         return LogitsInputs(counts, seen)
 
@@ -92,9 +95,7 @@ def sampling_groups(reqs) -> list[tuple[SamplingParams, object, list[int]]]:
 def stacked_inputs(reqs, idx: list[int], drafts: list[torch.Tensor], last_only: bool = False) -> LogitsInputs:
     """Rows idx's inputs stacked as [sum_b T_b, V] (T_b = len(drafts[b]) + 1), in row order;
     last_only: only each row's last position ([len(idx), V])."""
-    parts = [reqs[b].logits_state.inputs(drafts[b]) for b in idx]
-    if last_only:
-        parts = [p.last() for p in parts]
-    if parts[0].counts is None:
-        return LogitsInputs()
+    parts = [reqs[b].logits_state.inputs(drafts[b], last_only) for b in idx]
+    if parts[0].counts is None:  # (rows of a group share params: all need inputs, or none)
+        return NO_INPUTS
     return LogitsInputs(torch.cat([p.counts for p in parts]), torch.cat([p.seen for p in parts]))

@@ -38,6 +38,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import specdec.runtime.kernels as K
+from specdec.runtime.kernels.extension import cpu_has_avx2_fma
 
 U = 2.0**-24  # fp32 unit roundoff
 
@@ -51,7 +52,7 @@ def _auto_dispatch():
 
 
 def _expect_kernel() -> bool:
-    return platform.machine().lower() in ("x86_64", "amd64") and K._cpu_has_avx2_fma()
+    return platform.machine().lower() in ("x86_64", "amd64") and cpu_has_avx2_fma()
 
 
 def require_kernel():

@@ -38,6 +38,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import specdec.runtime.kernels as K
+from specdec.runtime.kernels.extension import cpu_has_avx2_fma
 from specdec.runtime.kernels import quant as Q
 
 U = 2.0**-24
@@ -54,7 +55,7 @@ def _auto_dispatch():
 
 def have_kernel() -> bool:
     ok = K.kernel_available() and Q._qext() is not None
-    if platform.machine().lower() in ("x86_64", "amd64") and K._cpu_has_avx2_fma():
+    if platform.machine().lower() in ("x86_64", "amd64") and cpu_has_avx2_fma():
         assert ok, "quantised C++ kernel failed to build on an AVX2+FMA x86 CPU"
     return ok
 

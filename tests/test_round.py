@@ -34,6 +34,8 @@ def test_penalty_inputs_equal_committing_the_drafts_one_by_one():
     assert torch.equal(state.inputs(torch.tensor([], dtype=torch.long)).counts[0], state.counts)
     stale = state.inputs(torch.tensor([], dtype=torch.long)).counts[0]
     assert all(not torch.equal(got.counts[i], stale) for i in range(1, 5))
+    last = state.inputs(drafts, last_only=True)  # the draft loop's one position
+    assert torch.equal(last.counts[0], got.counts[-1]) and torch.equal(last.seen[0], got.seen[-1])
     assert NoState().inputs(drafts).counts is None
 
 

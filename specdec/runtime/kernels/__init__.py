@@ -29,9 +29,6 @@ import torch.nn.functional as F
 
 from specdec.runtime.kernels import extension, quant
 from specdec.runtime.kernels.extension import CFLAGS  # noqa: F401 -- benchmarks build with it
-from specdec.runtime.kernels.extension import build_dir as _build_dir  # noqa: F401
-from specdec.runtime.kernels.extension import cpu_has_avx2_fma as _cpu_has_avx2_fma  # noqa: F401
-from specdec.runtime.kernels.extension import load_extension as _load_extension  # noqa: F401
 
 __all__ = ["PreparedWeight", "prepare_weight", "prepare_quant", "QuantTensor", "linear",
            "kernel_available", "kernel_isa", "build", "MAX_KERNEL_ROWS", "NR"]

@@ -2,7 +2,8 @@
 
 import logging
 
-from . import _build_dir, build
+from . import build
+from .extension import build_dir
 from .quant import _qext
 
 logging.basicConfig(level=logging.WARNING, format="%(message)s")
@@ -10,7 +11,7 @@ ok = build() is not None
 qok = ok and _qext() is not None
 print(f"specdec.runtime.kernels: extension {'available' if ok else 'NOT available (torch fallback)'}, "
       f"quantised extension {'available' if qok else 'NOT available (torch fallback)'}"
-      f" [cache: {_build_dir()}]")
+      f" [cache: {build_dir()}]")
 
 from .fused import build as build_fused  # noqa: E402 -- the per-layer glue, its own extension
 
