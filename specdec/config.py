@@ -106,6 +106,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = None
+    logprobs: int | None = None  # report the emitted tokens' log-probabilities and this many top ones
 
     def __post_init__(self):
         check_range("temperature", self.temperature, 0.0, 100.0)
@@ -124,6 +125,10 @@ class SamplingParams:
             self.stop = [self.stop]
         if any(not s for s in self.stop):
             raise SpecdecError("stop strings must be non-empty")
+        if self.logprobs is not None:
+            if isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int):
+                raise SpecdecError(f"logprobs={self.logprobs!r} must be an integer in [0, {MAX_LOGPROBS}]")
+            check_range("logprobs", self.logprobs, 0, MAX_LOGPROBS)
 
     @property
     def greedy(self) -> bool:
@@ -136,6 +141,7 @@ class SamplingParams:
 
 
 MAX_DRAFT_TOKENS = 32
+MAX_LOGPROBS = 20  # top log-probabilities per token (OpenAI's limit)
 DEFAULT_MAX_DRAFT_TOKENS = 8  # k_max of adaptive k: past ~8 the verify cost grows (kernels bench)
 DRAFT_SAMPLING = ("probabilistic", "greedy")
 # weight storage: fp32, bf16 (rounded), native (the GGUF's own quantised blocks), q4_0 (those

@@ -16,6 +16,16 @@ from specdec.logits_state import LogitsState, NoState
 from specdec.metrics import SpecStats
 
 
+@dataclass
+class TokenLogprob:
+    """An emitted token's log-probability under the target after the request's transforms, and
+    the `top` most likely tokens there as (id, log-probability), best first."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
 @dataclass(eq=False)
 class Request:
     id: int
@@ -34,6 +44,8 @@ class Request:
     prefill_time: float = 0.0
     draft_prefill_time: float = 0.0  # the draft model's prompt prefill, part of prefill_time
     decode_time: float = 0.0
+    cached_tokens: int = 0  # prompt tokens whose KV was reused from an earlier request (no prefill)
+    logprobs: list = field(default_factory=list)  # [TokenLogprob] per output token, when asked
 
     @property
     def finished(self) -> bool:

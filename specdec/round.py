@@ -69,6 +69,8 @@ class RowResult:
     hidden: torch.Tensor | None = None  # [len(committed), dim] the target's final hidden states
     # at the inputs whose logits produced the committed tokens; only when the proposer asks
     # (Proposer.wants_hidden_states)
+    logprobs: list | None = None  # [specdec.request.TokenLogprob] per committed token, when the
+    # request asks for log-probabilities (SamplingParams.logprobs)
 
 
 @dataclass

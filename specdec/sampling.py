@@ -68,6 +68,16 @@ def greedy_tokens(logits: torch.Tensor, params: SamplingParams, counts=None, see
     return apply_penalties(logits.float(), params, counts, seen).argmax(-1)
 
 
+def logprobs(logits: torch.Tensor, params: SamplingParams, counts=None, seen=None) -> torch.Tensor:
+    """log-probabilities [N, V] after the request's transforms: log_softmax of the penalised
+    logits for greedy requests, of the filtered (temperature, top-k/p, min-p) logits otherwise,
+    so removed tokens get -inf. What the API reports for each emitted token."""
+    lg = apply_penalties(logits.float(), params, counts, seen)
+    if not params.greedy:
+        lg = filter_logits(lg, params)
+    return lg.log_softmax(-1)
+
+
 def prefix_counts(base_counts: torch.Tensor, base_seen: torch.Tensor, tokens: torch.Tensor):
     """Penalty state at each of T+1 positions when `tokens` [T] are appended one by one.
 

@@ -23,13 +23,13 @@ import torch
 from specdec import rejection, sampling
 from specdec.config import DEFAULT_MAX_DRAFT_TOKENS, MAX_DRAFT_TOKENS, SamplingParams
 from specdec.engine.adaptive import k_policy
-from specdec.errors import SpecdecError
+from specdec.errors import SpecdecError, check_range
 from specdec.logits_state import new_state, sampling_groups, stacked_inputs
 from specdec.proposers.base import Proposer
-from specdec.request import Request
+from specdec.request import Request, TokenLogprob
 from specdec.round import Choice, Proposal, RoundResult, RowResult
 from specdec.runtime.kv_cache import prefill as kv_prefill
-from specdec.runtime.kv_cache import rows_arg
+from specdec.runtime.kv_cache import common_prefix, rows_arg
 from specdec.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -37,9 +37,11 @@ class Engine:
     def __init__(self, model, tokenizer: Tokenizer | None, proposer: Proposer | None = None,
                  num_draft_tokens: int | str = 0, max_batch: int = 8, max_seq_len: int | None = None,
                  vocab_size: int | None = None, max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS,
-                 k_cost=None):
+                 k_cost=None, prefill_chunk: int | None = None):
         """num_draft_tokens: a fixed k, or "auto" for adaptive k in [0, max_draft_tokens]
-        (specdec.engine.adaptive; k_cost optionally fixes its cost model). Build engines with
+        (specdec.engine.adaptive; k_cost optionally fixes its cost model). prefill_chunk: most
+        prompt tokens fed per step (chunked prefill: a long prompt stalls the running rows for
+        one chunk at a time); None feeds whole prompts. Build engines with
         specdec.loader.build_engine, which also checks the draft and caps the context."""
         self.model = model
         self.tokenizer = tokenizer
@@ -51,9 +53,15 @@ class Engine:
         self.V = vocab_size or min(model.args.vocab_size, tokenizer.vocab_size)
         self.max_seq_len = min(max_seq_len or model.args.max_seq_len, model.args.max_seq_len)
         self.max_batch = max_batch
+        if prefill_chunk is not None:
+            check_range("prefill_chunk", prefill_chunk, 1, None)
+        self.prefill_chunk = prefill_chunk
         self.cache = model.new_cache(1, self.max_seq_len, headroom=MAX_DRAFT_TOKENS + 1)
         self.eos_ids = tokenizer.eos_token_ids if tokenizer is not None else frozenset()
-        self.free_rows = [0]
+        self.free_rows = [0]  # least recently freed first
+        # Prefix cache: a free row keeps the KV of its last request's committed tokens, listed
+        # here, and a new prompt takes the free row that shares the longest prefix with it.
+        self.row_tokens: list[list[int]] = [[]]
         self.active: list[Request] = []
         self._next_id = 0
 
@@ -65,6 +73,7 @@ class Engine:
             return
         self.cache = self.model.new_cache(n_rows, self.max_seq_len, headroom=MAX_DRAFT_TOKENS + 1)
         self.free_rows = list(range(n_rows))
+        self.row_tokens = [[] for _ in range(n_rows)]
         if self.proposer is not None:
             self.proposer.reserve(n_rows)
 
@@ -83,7 +92,8 @@ class Engine:
             self.reserve(self.cache.batch_size + 1)
         if not self.free_rows:
             raise SpecdecError(f"too many concurrent requests; max_batch is {self.max_batch}")
-        row = self.free_rows.pop(0)
+        row, reuse = self._pick_row(list(prompt) + list(output_prefix))
+        self.free_rows.remove(row)
         req = Request(id=self._next_id, prompt=list(prompt), params=params, row=row,
                       rng=rng or rejection.TorchRng(params.seed, self.model.device),
                       tokens=list(prompt),
@@ -94,7 +104,10 @@ class Engine:
             req.output.append(t)
             req.tokens.append(t)
             req.logits_state.commit(t)
-        self.cache.set_length(row, 0)
+        self.cache.set_length(row, reuse)
+        self.row_tokens[row] = []
+        req.cached_tokens = reuse
+        self._copy_in(req)
         if self.proposer is not None:
             self.proposer.begin(req)
         self.policy.begin(req)
@@ -112,9 +125,34 @@ class Engine:
         if self.proposer is not None:
             self.proposer.release(req)
         self.policy.release(req)
+        self.row_tokens[req.row] = req.tokens[: self.cache.lengths[req.row]]
         self.cache.set_length(req.row, 0)
         self.free_rows.append(req.row)
-        self.free_rows.sort()
+
+    # ---- prefix reuse ----------------------------------------------------------------------
+    def _pick_row(self, tokens: list[int]) -> tuple[int, int]:
+        """(free row, prompt tokens whose KV it already holds): the longest shared prefix, at
+        most all tokens but the last (the first round feeds that one); else the least recently
+        freed row."""
+        best, best_n = self.free_rows[0], 0
+        for row in self.free_rows:
+            n = common_prefix(self.row_tokens[row], tokens, len(tokens) - 1)
+            if n > best_n:
+                best, best_n = row, n
+        return best, best_n
+
+    def _copy_in(self, req: Request) -> None:
+        """Copy KV for a longer shared prefix from another active row (a sibling of an n > 1
+        request, a chat turn still running) into req's row."""
+        have, donor = self.cache.lengths[req.row], None
+        for d in self.active:
+            if d is not req and self.cache.lengths[d.row] > have:
+                n = common_prefix(d.tokens[: self.cache.lengths[d.row]], req.tokens, len(req.tokens) - 1)
+                if n > have:
+                    have, donor = n, d
+        if donor is not None:
+            self.cache.copy_prefix(donor.row, req.row, have)
+            req.cached_tokens = max(req.cached_tokens, min(have, len(req.prompt)))
 
     def abort_all(self) -> None:
         for r in list(self.active):
@@ -127,30 +165,48 @@ class Engine:
         reqs = [r for r in self.active if not r.finished]
         if not reqs:
             return RoundResult([], 0, 0.0, 0.0)
-        self._prefill(reqs)
+        reqs = self._prefill(reqs)
+        if not reqs:  # every row is still in its prompt (chunked prefill)
+            return RoundResult([], 0, 0.0, 0.0)
         t0 = time.perf_counter()
         choices = [self._plan(r, len(reqs)) for r in reqs]
         prop, t_draft = self._propose(reqs, choices)
         logits, hidden, t_target = self._score(reqs, prop)
-        out, n_emit = self._verify(reqs, logits, prop)
-        rows = self._commit(reqs, choices, prop, out, n_emit, hidden, t_draft, t_target, t0)
+        out, n_emit, logprobs = self._verify(reqs, logits, prop)
+        rows = self._commit(reqs, choices, prop, out, n_emit, logprobs, hidden, t_draft, t_target, t0)
         for r in reqs:
             if r.finished:
                 self.abort(r)  # (finished: only frees its rows)
         return RoundResult(rows, prop.tokens.shape[1] + 1, t_draft, t_target)
 
-    def _prefill(self, reqs: list[Request]) -> None:
-        """Give the target KV for every committed token but the last (one padded forward), and
-        a draft model that will draft its prompt's KV likewise (Proposer.prefill)."""
+    def _prefill(self, reqs: list[Request]) -> list[Request]:
+        """Give the target KV for every committed token but the last (one padded forward, at
+        most prefill_chunk tokens), and a draft model that will draft its prompt's KV likewise
+        (Proposer.prefill); returns the requests ready for a round. A prompt that an earlier
+        one in the same step shares (n > 1, a common system prompt) waits for that one's KV
+        and copies it instead of computing it again."""
+        ready = lambda r: self.cache.lengths[r.row] >= len(r.tokens) - 1  # noqa: E731
+        pending = [r for r in reqs if not ready(r)]
+        if not pending:
+            return reqs
         t0 = time.perf_counter()
-        todo = kv_prefill(self.model, self.cache, reqs)
-        if not todo:
-            return
+        leaders, followers = [], []
+        for r in pending:
+            self._copy_in(r)
+            if ready(r):
+                continue
+            have = self.cache.lengths[r.row]
+            covered = any(common_prefix(lead.tokens, r.tokens, len(r.tokens) - 1) > have for lead in leaders)
+            (followers if covered else leaders).append(r)
+        todo = kv_prefill(self.model, self.cache, leaders, self.prefill_chunk)
+        for r in followers:
+            self._copy_in(r)
+        done = [r for r in pending if ready(r)]
         # A draft model's prompt is prompt processing too, where it will surely be needed: at a
         # fixed k > 0, for requests with room to draft (adaptive k prices it as catch-up and may
         # never start the draft model).
         if self.proposer is not None and self.policy.prefills_draft:
-            drafting = [r for r in todo if min(self.policy.k_max, self._room(r)[0]) > 0]
+            drafting = [r for r in done if min(self.policy.k_max, self._room(r)[0]) > 0]
             if drafting:
                 t1 = time.perf_counter()
                 self.proposer.prefill(drafting)
@@ -158,8 +214,9 @@ class Engine:
                 for r in drafting:
                     r.draft_prefill_time += dt_draft
         dt = time.perf_counter() - t0
-        for r in todo:
+        for r in set(todo) | set(done):
             r.prefill_time += dt
+        return [r for r in reqs if ready(r)]
 
     def _room(self, r: Request) -> tuple[int, int]:
         """(most drafts this round, tokens left): a round emits up to k + 1 tokens, and they must
@@ -207,8 +264,12 @@ class Engine:
         return logits[..., : self.V], hidden, t_target
 
     def _verify(self, reqs: list[Request], logits: torch.Tensor, prop: Proposal):
-        """(tokens [B, k + 1], emitted [B]): rows that share sampling params and rng are verified
-        in one call."""
+        """(tokens [B, k + 1], emitted [B], {row: log-probabilities}): rows that share sampling
+        params and rng are verified in one call. A request that asks for log-probabilities gets,
+        at each of its k + 1 positions, the chosen token's and the top ones under the same
+        transformed distribution it was verified against (what plain decoding would report:
+        the kernels give a position the same logits in any batch and block)."""
+        lps = {}
         drafts, num_draft, q = prop.tokens, prop.num_draft, prop.q
         B, k = drafts.shape
         out = torch.empty(B, k + 1, dtype=torch.long, device=logits.device)
@@ -225,9 +286,24 @@ class Engine:
                 o, n = rejection.stochastic_verify(p, None if q is None else q[ix], drafts[ix],
                                                    num_draft[ix], rng)
             out[ix], n_emit[ix] = o, n
-        return out, n_emit
+            if params.logprobs is not None:
+                lp = sampling.logprobs(flat, params, inp.counts, inp.seen).view(len(idx), k + 1, -1)
+                chosen = lp.gather(2, o.unsqueeze(2)).squeeze(2)  # [G, k + 1]
+                top = lp.topk(params.logprobs, dim=-1) if params.logprobs else None
+                for g, b in enumerate(idx):
+                    lps[b] = (chosen[g].tolist(), top.values[g].tolist() if top else None,
+                              top.indices[g].tolist() if top else None)
+        return out, n_emit, lps
 
-    def _commit(self, reqs, choices, prop, out, n_emit, hidden, t_draft, t_target, t0) -> list[RowResult]:
+    @staticmethod
+    def _token_logprobs(tokens: list[int], lp) -> list[TokenLogprob]:
+        chosen, top_v, top_i = lp
+        return [TokenLogprob(t, chosen[j], [] if top_v is None else
+                             [(i, v) for i, v in zip(top_i[j], top_v[j]) if v != float("-inf")])
+                for j, t in enumerate(tokens)]
+
+    def _commit(self, reqs, choices, prop, out, n_emit, logprobs, hidden, t_draft, t_target,
+                t0) -> list[RowResult]:
         """Append each row's emitted tokens up to a stop, roll the target back to the committed
         tokens, tell the proposer and the k policy, and charge each row its share of the time."""
         out_l, n_emit_l, nd_l = out.tolist(), n_emit.tolist(), prop.num_draft.tolist()  # one sync
@@ -255,10 +331,14 @@ class Engine:
             self.policy.observe_round(r, nd_l[b], n_acc, sources[b], c.key)
             # Target KV: committed tokens but the last. Drafts past the commit are rolled back.
             self.cache.set_length(r.row, min(L + n_acc, len(r.tokens) - 1))
+            lp = self._token_logprobs(committed, logprobs[b]) if b in logprobs else None
+            if lp is not None:
+                r.logprobs.extend(lp)
             res = RowResult(request=r, k=c.k, drafted=nd_l[b], accepted=n_acc, committed=committed,
                             source=sources[b] if nd_l[b] else None, key=c.key if nd_l[b] else None,
                             delta=self._stream_delta(r),
-                            hidden=None if hidden is None else hidden[b, : len(committed)])
+                            hidden=None if hidden is None else hidden[b, : len(committed)],
+                            logprobs=lp)
             if proposed:  # a proposer is only told about rounds it was asked to draft for
                 self.proposer.accept(r, res)
             r.decode_time += time.perf_counter() - t0
@@ -337,3 +417,4 @@ class Engine:
             for row in result.rows:
                 if row.delta:
                     on_event(row.request, row.delta)
+

@@ -23,7 +23,7 @@ from specdec.logits_state import sampling_groups, stacked_inputs
 from specdec.proposers.base import Candidate, Proposal, ProposerBase
 from specdec.round import RowResult
 from specdec.runtime.kv_cache import prefill as kv_prefill
-from specdec.runtime.kv_cache import ragged_block, rows_arg
+from specdec.runtime.kv_cache import common_prefix, ragged_block, rows_arg
 
 
 class DraftModelProposer(ProposerBase):
@@ -40,17 +40,23 @@ class DraftModelProposer(ProposerBase):
         self.forwards = 0
         self._last_k: dict[int, int] = {}
         self._L: dict[int, int] = {}
+        self._kept: dict[int, list[int]] = {}  # a free row's committed tokens with KV (prefix reuse)
 
     def reserve(self, n_rows: int) -> None:
         if n_rows > self.cache.batch_size:
             self.cache = self.model.new_cache(n_rows, self.max_seq_len, headroom=self.headroom)
+            self._kept.clear()
 
     def begin(self, req) -> None:
-        self.cache.set_length(req.row, 0)
+        """The row keeps the KV of the prefix it shares with its last request (the engine
+        gives a prompt the free row with the longest shared prefix)."""
+        kept = self._kept.pop(req.row, [])
+        self.cache.set_length(req.row, common_prefix(kept, req.tokens, len(req.tokens) - 1))
         self._L.pop(req.row, None)  # rows are reused: forget the previous request's round
         self._last_k.pop(req.row, None)
 
     def release(self, req) -> None:
+        self._kept[req.row] = req.tokens[: self.cache.lengths[req.row]]
         self.cache.set_length(req.row, 0)
 
     def peek(self, req, k: int) -> list[Candidate]:

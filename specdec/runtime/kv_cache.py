@@ -28,6 +28,21 @@ def ragged_block(chunks: list[list[int]], starts: list[int], capacity: int):
     return tok, pos
 
 
+def common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """Length of the longest common prefix of a and b, at most limit."""
+    n = min(len(a), len(b), limit)
+    if a[:n] == b[:n]:
+        return max(n, 0)
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]: bisect on list slices (C speed)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 def rows_arg(reqs, device):
     """A forward's `rows` for these requests: None (cache views, no copies) when the batch is
     exactly cache rows 0..B-1, else their rows as a tensor."""
@@ -35,19 +50,28 @@ def rows_arg(reqs, device):
     return None if rows == list(range(len(rows))) else torch.tensor(rows, device=device)
 
 
-def prefill(model, cache: "KVCache", reqs) -> list:
+def prefill(model, cache: "KVCache", reqs, budget: int | None = None) -> list:
     """Give `cache` KV for every committed token of each request but the last (the next round
-    feeds it), in one padded forward that computes no logits; returns the requests fed."""
-    todo = [r for r in reqs if len(r.tokens) - 1 > cache.lengths[r.row]]
+    feeds it), in one padded forward that computes no logits; returns the requests fed.
+    budget: at most this many tokens in all (chunked prefill), handed out in request order; a
+    request left short gets the rest in later calls."""
+    todo, chunks = [], []
+    left = budget if budget is not None else float("inf")
+    for r in reqs:
+        n = min(len(r.tokens) - 1 - cache.lengths[r.row], left)
+        if n > 0:
+            todo.append(r)
+            chunks.append(r.tokens[cache.lengths[r.row]:cache.lengths[r.row] + n])
+            left -= n
     if not todo:
         return []
     dev = model.device
     starts = [cache.lengths[r.row] for r in todo]
-    tok, pos = ragged_block([r.tokens[s:-1] for r, s in zip(todo, starts)], starts, cache.capacity)
+    tok, pos = ragged_block(chunks, starts, cache.capacity)
     model.forward(tok.to(dev), pos.to(dev), cache, rows=rows_arg(todo, dev),
                   logits_at=torch.zeros(len(todo), 0, dtype=torch.long, device=dev))
-    for r, s in zip(todo, starts):
-        cache.advance(r.row, len(r.tokens) - 1 - s)
+    for r, c in zip(todo, chunks):
+        cache.advance(r.row, len(c))
     return todo
 
 
@@ -85,6 +109,13 @@ class KVCache:
     def set_length(self, row: int, n: int) -> None:
         assert 0 <= n <= self.capacity
         self.lengths[row] = n
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Row dst gets row src's KV for its first n positions (prefix reuse: a copy costs far
+        less than the prefill it saves); dst's length becomes n."""
+        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+        self.lengths[dst] = n
 
     def reset(self) -> None:
         self.lengths = [0] * self.batch_size

@@ -1,0 +1,136 @@
+"""What a server needs of the engine, on tiny random models: prefix reuse (a free row keeps its
+KV; siblings copy it), chunked prefill, and log-probabilities equal to plain decoding's.
+
+Every check compares against a fresh engine that computes everything itself: reuse must change
+how much is computed, never what comes out (the kernels give a position the same bits in any
+batch or block, so equality is exact).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from specdec.config import SamplingParams
+from specdec.engine import Engine
+from specdec.proposers import DraftModelProposer
+
+V, CTX = 64, 256
+SHARED = [5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 3, 8, 3, 2, 7, 9, 5]
+A, B = SHARED + [1, 1, 2], SHARED + [7, 7]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+
+
+class Counting:
+    """The model, counting the tokens it is fed."""
+
+    def __init__(self, model):
+        self.model, self.fed = model, 0
+        self.args, self.device, self.new_cache = model.args, model.device, model.new_cache
+
+    def forward(self, tokens, *a, **kw):
+        self.fed += tokens.numel()
+        return self.model.forward(tokens, *a, **kw)
+
+    __call__ = forward
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model(seed=0, vocab=V, max_seq_len=CTX)
+
+
+def plain(model, prompt, params=GREEDY):
+    return Engine(model, None, max_seq_len=CTX, vocab_size=V).generate([prompt], params)[0]
+
+
+def test_free_row_keeps_its_prefix(target):
+    m = Counting(target)
+    engine = Engine(m, None, max_seq_len=CTX, vocab_size=V, max_batch=2)
+    first = engine.generate([A], GREEDY)[0]
+    fed = m.fed
+    second = engine.generate([B], GREEDY)[0]
+    assert second.cached_tokens == len(SHARED)
+    assert second.output == plain(target, B).output and first.output == plain(target, A).output
+    # the second prompt fed only its own 2 tokens (its first round feeds the last one)
+    assert m.fed - fed == (len(B) - 1 - len(SHARED)) + second.stats.target_forwards
+    # negative control: an unrelated prompt reuses nothing
+    other = engine.generate([[1, 2, 3, 4]], GREEDY)[0]
+    assert other.cached_tokens == 0
+
+
+def test_siblings_copy_the_leaders_prefill(target):
+    m = Counting(target)
+    engine = Engine(m, None, max_seq_len=CTX, vocab_size=V, max_batch=4)
+    reqs = engine.generate([A, A, A, B], GREEDY)
+    assert [r.cached_tokens for r in reqs] == [0, len(A) - 1, len(A) - 1, len(SHARED)]
+    # one prefill forward for A's tokens only: the rest were copied
+    assert all(r.output == plain(target, A).output for r in reqs[:3])
+    assert reqs[3].output == plain(target, B).output
+
+
+def test_chunked_prefill_interleaves_and_matches(target):
+    long_prompt = (SHARED * 4)[:100]
+    engine = Engine(target, None, max_seq_len=CTX, vocab_size=V, max_batch=2, prefill_chunk=16)
+    engine.reserve(2)
+    short = engine.add_request([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=40))
+    engine.step()
+    longr = engine.add_request(long_prompt, GREEDY)
+    decoded_while_prefilling = 0
+    while engine.cache.lengths[longr.row] < len(long_prompt) - 1:
+        before = len(short.output)
+        engine.step()
+        decoded_while_prefilling += len(short.output) - before
+    assert decoded_while_prefilling >= 100 // 16 - 1  # the short row never waited a whole prompt
+    engine.run()
+    assert longr.output == plain(target, long_prompt).output
+    assert short.output == plain(target, [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=40)).output
+
+
+def test_draft_model_reuses_its_prefix_too(target):
+    draft = tiny_model(seed=3, vocab=V, dim=32, layers=1, max_seq_len=CTX)
+    engine = Engine(target, None, DraftModelProposer(draft, V, CTX), num_draft_tokens=3,
+                    max_seq_len=CTX, vocab_size=V, max_batch=1)
+    engine.generate([A], GREEDY)
+    r = engine.add_request(B, GREEDY)
+    assert engine.proposer.cache.lengths[r.row] == len(SHARED)
+    engine.run()
+    assert r.output == plain(target, B).output and r.stats.rounds > 0 and r.stats.draft_tokens > 0
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, max_tokens=24, logprobs=5),
+    SamplingParams(temperature=0.0, max_tokens=24, logprobs=3, frequency_penalty=0.5, repetition_penalty=1.3),
+])
+def test_logprobs_equal_plain_and_reference(target, params):
+    base = plain(target, A, params)
+    engine = Engine(target, None, DraftModelProposer(target, V, CTX), num_draft_tokens=4,
+                    max_seq_len=CTX, vocab_size=V)
+    spec = engine.generate([A], params)[0]
+    assert spec.stats.draft_tokens > 0 and spec.output == base.output
+    assert [(t.token, t.logprob, t.top) for t in spec.logprobs] == \
+        [(t.token, t.logprob, t.top) for t in base.logprobs]
+    assert len(base.logprobs) == len(base.output) and all(len(t.top) == params.logprobs for t in base.logprobs)
+    # the slow reference: one causal forward over the whole text, the chain at each position
+    from specdec import sampling
+    seq = A + base.output
+    logits = target.forward(torch.tensor([seq]), torch.arange(len(seq))[None], target.new_cache(1, CTX))[0]
+    for j, t in enumerate(base.output):
+        hist = seq[: len(A) + j]
+        counts = torch.zeros(V)
+        for x in base.output[:j]:
+            counts[x] += 1
+        seen = torch.zeros(V, dtype=torch.bool)
+        seen[torch.tensor(hist)] = True
+        ref = sampling.logprobs(logits[len(A) + j - 1][None, :V], params, counts[None], seen[None])[0]
+        assert base.logprobs[j].token == t
+        assert abs(base.logprobs[j].logprob - ref[t].item()) < 1e-5
+        assert base.logprobs[j].top[0][0] == int(ref.argmax())
+
+
+def test_logprobs_refused_out_of_range():
+    with pytest.raises(ValueError, match=r"logprobs=21 is out of range; allowed \[0, 20\]"):
+        SamplingParams(logprobs=21)
+    with pytest.raises(ValueError, match="logprobs=True must be an integer"):
+        SamplingParams(logprobs=True)
