@@ -1,4 +1,4 @@
-"""Command line: `specdec generate | models list | models fetch | verify | bench`.
+"""Command line: `specdec generate | serve | models list | models fetch | verify | bench`.
 
 Bad input is one line on stderr naming the value and the allowed range, exit code 2, no traceback.
 """
@@ -17,6 +17,7 @@ from specdec.config import DTYPES, SpeculativeConfig
 from specdec.errors import SpecdecError
 from specdec.runtime import hub
 from specdec.runtime.hub import DEFAULT_MODEL
+from specdec.serve.server import add_serve_args, cmd_serve
 from specdec.tools import commands
 from specdec.tools.commands import sampling_params
 
@@ -78,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     g.add_argument("--stats", action="store_true", help="print speculative metrics after the text")
     g.add_argument("prompt")
+    s = sub.add_parser("serve", help="an OpenAI-compatible server (continuous batching)")
+    _add_model_args(s)
+    _add_spec_args(s)
+    add_serve_args(s)
     m = sub.add_parser("models", help="list or fetch the registry's models")
     msub = m.add_subparsers(dest="models_cmd", required=True)
     msub.add_parser("list")
@@ -151,7 +156,7 @@ def cmd_models(a) -> int:
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     try:
-        return {"generate": cmd_generate, "models": cmd_models,
+        return {"generate": cmd_generate, "models": cmd_models, "serve": cmd_serve,
                 "verify": commands.cmd_verify, "bench": commands.cmd_bench}[a.cmd](a)
     except SpecdecError as e:
         print(f"specdec: error: {e}", file=sys.stderr)

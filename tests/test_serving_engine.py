@@ -99,13 +99,15 @@ def test_draft_model_reuses_its_prefix_too(target):
     assert r.output == plain(target, B).output and r.stats.rounds > 0 and r.stats.draft_tokens > 0
 
 
+@pytest.mark.parametrize("draft_seed", [None, 7])  # the target itself (all accepted), a random model
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=0.0, max_tokens=24, logprobs=5),
     SamplingParams(temperature=0.0, max_tokens=24, logprobs=3, frequency_penalty=0.5, repetition_penalty=1.3),
 ])
-def test_logprobs_equal_plain_and_reference(target, params):
+def test_logprobs_equal_plain_and_reference(target, params, draft_seed):
     base = plain(target, A, params)
-    engine = Engine(target, None, DraftModelProposer(target, V, CTX), num_draft_tokens=4,
+    draft = target if draft_seed is None else tiny_model(seed=draft_seed, vocab=V, dim=32, layers=1, max_seq_len=CTX)
+    engine = Engine(target, None, DraftModelProposer(draft, V, CTX), num_draft_tokens=4,
                     max_seq_len=CTX, vocab_size=V)
     spec = engine.generate([A], params)[0]
     assert spec.stats.draft_tokens > 0 and spec.output == base.output

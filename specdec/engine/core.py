@@ -288,7 +288,7 @@ class Engine:
             out[ix], n_emit[ix] = o, n
             if params.logprobs is not None:
                 lp = sampling.logprobs(flat, params, inp.counts, inp.seen).view(len(idx), k + 1, -1)
-                chosen = lp.gather(2, o.unsqueeze(2)).squeeze(2)  # [G, k + 1]
+                chosen = lp.gather(2, o.clamp(min=0).unsqueeze(2)).squeeze(2)  # [G, k + 1] (-1: not emitted)
                 top = lp.topk(params.logprobs, dim=-1) if params.logprobs else None
                 for g, b in enumerate(idx):
                     lps[b] = (chosen[g].tolist(), top.values[g].tolist() if top else None,

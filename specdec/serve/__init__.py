@@ -1,0 +1,1 @@
+"""`specdec serve`: an OpenAI-compatible server with continuous batching (specdec.serve.server)."""

@@ -1,0 +1,98 @@
+"""`specdec serve`: load the models, build the engine, start the engine loop and uvicorn.
+
+Binds 127.0.0.1 unless told otherwise. The listening socket is opened here (port 0 takes a free
+port) so the printed URL is the one really served.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import sys
+
+import torch
+import uvicorn
+
+from specdec.config import SpeculativeConfig
+from specdec.errors import SpecdecError, check_range
+from specdec.loader import build_engine, load_models
+from specdec.serve.app import create_app
+from specdec.serve.metrics import ServerMetrics
+from specdec.serve.scheduler import Scheduler
+
+DEFAULT_PREFILL_CHUNK = 256
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port, 0 for a free one (default 8000)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
+    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (KV rows; default 8)")
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="requests queued beyond the batch before the server answers 429 (default 256)")
+    p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
+                   help=f"most prompt tokens prefilled per round, so a long prompt stalls running "
+                        f"requests one chunk at a time (default {DEFAULT_PREFILL_CHUNK})")
+    p.add_argument("--max-tokens-cap", type=int, default=None,
+                   help="largest max_tokens a request may ask for (default: the context)")
+    p.add_argument("--kv-cache-tokens", type=int, default=None,
+                   help="KV memory in tokens: sets --max-batch to this / the context length")
+
+
+def _spec(a) -> SpeculativeConfig | None:
+    if a.draft is None and a.proposer is None:
+        return None
+    return SpeculativeConfig(draft=a.draft, num_draft_tokens=a.num_draft_tokens,
+                             max_draft_tokens=a.max_draft_tokens, draft_sampling=a.draft_sampling,
+                             draft_dtype=a.draft_dtype, proposer=a.proposer,
+                             ngram_min=a.ngram_min, ngram_max=a.ngram_max)
+
+
+def cmd_serve(a) -> int:
+    check_range("port", a.port, 0, 65535)
+    check_range("max_batch", a.max_batch, 1, 256)
+    check_range("max_waiting", a.max_waiting, 0, None)
+    check_range("prefill_chunk", a.prefill_chunk, 1, None)
+    check_range("max_model_len", a.max_model_len, 2, None)
+    if a.max_tokens_cap is not None:
+        check_range("max_tokens_cap", a.max_tokens_cap, 1, None)
+    if a.threads is not None:
+        check_range("threads", a.threads, 1, None)
+        torch.set_num_threads(a.threads)
+    spec = _spec(a)
+    sock = socket.socket(socket.AF_INET6 if ":" in a.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((a.host, a.port))
+    except OSError as e:
+        raise SpecdecError(f"cannot listen on {a.host}:{a.port}: {e.strerror}") from None
+    progress = (lambda s: print(s, file=sys.stderr, flush=True))
+    draft = a.draft if spec is not None and spec.proposer != "ngram" else None
+    models = load_models(a.model, draft, a.dtype, spec.draft_dtype if spec else "auto", a.device, progress)
+    ctx = models.context_length(a.max_model_len)
+    max_batch = a.max_batch
+    if a.kv_cache_tokens is not None:
+        check_range("kv_cache_tokens", a.kv_cache_tokens, ctx, None)
+        max_batch = a.kv_cache_tokens // ctx
+    engine = build_engine(models, spec, max_model_len=a.max_model_len, max_batch=max_batch)
+    engine.prefill_chunk = a.prefill_chunk
+    name = a.served_model_name or a.model
+    metrics = ServerMetrics(name)
+    sched = Scheduler(engine, max_waiting=a.max_waiting, metrics=metrics)
+    app = create_app(sched, models.tokenizer, name, ctx, engine.V, api_key=a.api_key,
+                     max_tokens_cap=a.max_tokens_cap, metrics=metrics)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    mode = "plain decoding" if spec is None else f"speculative ({spec.proposer}, k={spec.num_draft_tokens})"
+    print(f"specdec: serving {name!r} ({mode}, {max_batch} rows, context {ctx}) "
+          f"on http://{shown}:{port}/v1", flush=True)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    sched.start()
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        sched.stop()
+    return 0
