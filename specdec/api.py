@@ -20,6 +20,8 @@ class RequestOutput:
     stats: dict
     prefill_s: float
     decode_s: float
+    logprobs: list | None = None  # [specdec.request.TokenLogprob] per token, when params.logprobs is set
+    cached_tokens: int = 0  # prompt tokens whose KV came from an earlier request (prefix reuse)
 
 
 class LLM:
@@ -57,4 +59,6 @@ class LLM:
         reqs = self.engine.generate(ids, params, on_event=cb)
         return [RequestOutput(prompt_token_ids=r.prompt, text=r.text, token_ids=r.output,
                               finish_reason=r.finish_reason, stats=r.stats.to_dict(),
-                              prefill_s=r.prefill_time, decode_s=r.decode_time) for r in reqs]
+                              prefill_s=r.prefill_time, decode_s=r.decode_time,
+                              logprobs=r.logprobs if r.params.logprobs is not None else None,
+                              cached_tokens=r.cached_tokens) for r in reqs]

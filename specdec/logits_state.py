@@ -85,10 +85,14 @@ def new_state(params: SamplingParams, vocab_size: int, prompt: list[int], device
 
 
 def sampling_groups(reqs) -> list[tuple[SamplingParams, object, list[int]]]:
-    """[(params, rng, row indices)]: rows that share sampling params and rng, sampled in one call."""
+    """[(params, rng, row indices)]: rows that share sampling params and rng, sampled in one call.
+    Greedy rows without penalties or log-probabilities share one group whatever their params
+    objects (an argmax uses no dice and no other setting): a server's rows each bring their own."""
     groups: dict[tuple, list[int]] = {}
     for b, r in enumerate(reqs):
-        groups.setdefault((id(r.params), id(r.rng)), []).append(b)
+        p = r.params
+        plain_argmax = p.greedy and not p.has_penalties and p.logprobs is None
+        groups.setdefault(("argmax",) if plain_argmax else (id(p), id(r.rng)), []).append(b)
     return [(reqs[idx[0]].params, reqs[idx[0]].rng, idx) for idx in groups.values()]
 
 

@@ -272,23 +272,28 @@ class Engine:
         lps = {}
         drafts, num_draft, q = prop.tokens, prop.num_draft, prop.q
         B, k = drafts.shape
-        out = torch.empty(B, k + 1, dtype=torch.long, device=logits.device)
+        nd = num_draft.tolist()
+        out = torch.full((B, k + 1), rejection.PLACEHOLDER, dtype=torch.long, device=logits.device)
         n_emit = torch.empty(B, dtype=torch.long, device=logits.device)
         for params, rng, idx in sampling_groups(reqs):
+            # Only the group's own width: a row's dice never depend on how far other rows of
+            # the batch drafted (a seed reproduces whatever else is running), and a k = 0 row
+            # in a wide batch pays one position of sampling, not k + 1.
+            w = max(nd[b] for b in idx)
             ix = torch.tensor(idx, device=logits.device)
-            inp = stacked_inputs(reqs, idx, drafts)  # [G (k + 1), V] per-position penalties
-            flat = logits[ix].flatten(0, 1)  # [G (k + 1), V]
+            d = drafts[ix, :w]
+            inp = stacked_inputs(reqs, idx, drafts[:, :w])  # [G (w + 1), V] per-position penalties
+            flat = logits[ix, : w + 1].flatten(0, 1)  # [G (w + 1), V]
             if params.greedy:
-                am = sampling.greedy_tokens(flat, params, inp.counts, inp.seen).view(len(idx), k + 1)
-                o, n = rejection.greedy_verify(am, drafts[ix], num_draft[ix])
+                am = sampling.greedy_tokens(flat, params, inp.counts, inp.seen).view(len(idx), w + 1)
+                o, n = rejection.greedy_verify(am, d, num_draft[ix])
             else:
-                p = sampling.probabilities(flat, params, inp.counts, inp.seen).view(len(idx), k + 1, -1)
-                o, n = rejection.stochastic_verify(p, None if q is None else q[ix], drafts[ix],
-                                                   num_draft[ix], rng)
-            out[ix], n_emit[ix] = o, n
+                p = sampling.probabilities(flat, params, inp.counts, inp.seen).view(len(idx), w + 1, -1)
+                o, n = rejection.stochastic_verify(p, None if q is None else q[ix, :w], d, num_draft[ix], rng)
+            out[ix, : w + 1], n_emit[ix] = o, n
             if params.logprobs is not None:
-                lp = sampling.logprobs(flat, params, inp.counts, inp.seen).view(len(idx), k + 1, -1)
-                chosen = lp.gather(2, o.clamp(min=0).unsqueeze(2)).squeeze(2)  # [G, k + 1] (-1: not emitted)
+                lp = sampling.logprobs(flat, params, inp.counts, inp.seen).view(len(idx), w + 1, -1)
+                chosen = lp.gather(2, o.clamp(min=0).unsqueeze(2)).squeeze(2)  # [G, w + 1] (-1: not emitted)
                 top = lp.topk(params.logprobs, dim=-1) if params.logprobs else None
                 for g, b in enumerate(idx):
                     lps[b] = (chosen[g].tolist(), top.values[g].tolist() if top else None,

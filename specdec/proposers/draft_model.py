@@ -100,7 +100,7 @@ class DraftModelProposer(ProposerBase):
             self._L[r.row] = L[b]
             self._last_k[r.row] = ks[b]
         for i in range(k):
-            d, q = self._sample(cur, reqs, drafts[:, :i])
+            d, q = self._sample(cur, reqs, drafts[:, :i], live={b for b in range(B) if ks[b] > i})
             drafts[:, i] = d
             if q_all is not None:
                 q_all[:, i] = q
@@ -115,14 +115,18 @@ class DraftModelProposer(ProposerBase):
     def _needs_q(self, reqs) -> bool:
         return self.draft_sampling == "probabilistic" and any(not r.params.greedy for r in reqs)
 
-    def _sample(self, logits, reqs, drafted):
+    def _sample(self, logits, reqs, drafted, live: set[int]):
         """Draft tokens [B] and their distributions q [B, V] (zeros where q is one-hot) at the
         position after `drafted` [B, i]: the logits state sees each row's own drafts so far,
-        as the target's p will at the same position."""
+        as the target's p will at the same position. Only `live` rows (still drafting) roll
+        dice: a row's draws never depend on how far the others draft."""
         B = logits.shape[0]
         d = torch.zeros(B, dtype=torch.long, device=logits.device)
         q = torch.zeros(B, self.V, device=logits.device) if self._needs_q(reqs) else None
         for params, rng, idx in sampling_groups(reqs):
+            idx = [b for b in idx if b in live]
+            if not idx:
+                continue
             ix = torch.tensor(idx, device=logits.device)
             inp = stacked_inputs(reqs, idx, drafted, last_only=True)
             lg = logits[ix]
