@@ -369,3 +369,31 @@ def test_adaptive_k_moves_with_acceptance(smollm2):
     h_rand, mean_rand = chosen("draft-random")
     assert mean_self >= 4, h_self
     assert mean_rand <= 1, h_rand
+
+
+def test_settle_cuts_the_batch_width_when_a_wide_verify_costs_more():
+    """One row copies well (would draft 8), seven rarely get a draft accepted. Alone, the copier
+    drafts 8. In a compute-bound batch of 8 (a verify costs B (W + 1) units) the seven others
+    pay for its width: the batch settles narrower, and a free forward keeps the full width."""
+    def policy(cost):
+        pol = AdaptiveK(8, cost=cost)
+        rows = [_Req(i) for i in range(8)]
+        for i, r in enumerate(rows):
+            pol.begin(r)
+            for _ in range(12):
+                pol.observe_round(r, 8, 8 if i == 0 else 0, "ngram")
+        return pol, rows
+
+    compute_bound = lambda B, k: B * (k + 1)  # noqa: E731
+    pol, rows = policy(compute_bound)
+    choices = [Choice(8, "ngram", "ngram")] + [Choice(1, "ngram", "ngram")] * 7
+    assert pol.settle(rows[:1], choices[:1], 1) == choices[:1]  # alone: nothing to settle
+    settled = pol.settle(rows, choices, 8)
+    width = max(c.k for c in settled)
+    assert width < 8
+    e = lambda w: sum(expected_tokens(pol._alphas(r, "ngram", c.k), min(c.k, w)) for r, c in zip(rows, choices))  # noqa: E731
+    assert all(e(width) / compute_bound(8, width) >= e(w) / compute_bound(8, w) - 1e-12 for w in range(9))
+    flat = lambda B, k: 1.0 + 0.01 * k  # noqa: E731  (memory-bound: width nearly free)
+    pol, rows = policy(flat)
+    assert pol.settle(rows, choices, 8) == choices
+    assert FixedK(4).settle(rows, [Choice(4)] * 8, 8) == [Choice(4)] * 8

@@ -66,8 +66,8 @@ def _q_without_top_k(monkeypatch):
 
     original = draft_model.DraftModelProposer._sample
 
-    def sample_then_misreport(self, logits, reqs, drafted):
-        d, q = original(self, logits, reqs, drafted)
+    def sample_then_misreport(self, logits, reqs, drafted, live):
+        d, q = original(self, logits, reqs, drafted, live)
         if q is not None:
             q = sampling.probabilities(logits, dataclasses.replace(reqs[0].params, top_k=0))
         return d, q

@@ -173,6 +173,11 @@ class KPolicy(Protocol):
         candidates (called only by a policy that prices them)."""
         ...
 
+    def settle(self, reqs: list, choices: list[Choice], batch_size: int) -> list[Choice]:
+        """The batch's choices together: one verify forward runs at the widest row's k + 1
+        for every row, so a policy may cut the rows' k to a common width."""
+        ...
+
     def observe_draft(self, k: int, seconds: float, proposal: Proposal) -> None:
         """One proposing call at width k took `seconds` (all rows)."""
         ...
@@ -197,6 +202,9 @@ class FixedK:
 
     def plan(self, req, batch_size: int, limit: int, peek, remaining: int) -> Choice:
         return Choice(self.choose(req, batch_size, limit))
+
+    def settle(self, reqs: list, choices: list[Choice], batch_size: int) -> list[Choice]:
+        return choices
 
     def begin(self, req) -> None:
         pass
@@ -335,6 +343,32 @@ class AdaptiveK:
                     best, best_rate = Choice(k, cand.source, cand.record), rate
         self.chosen[best.k] += 1
         return best if best.k else Choice(0)
+
+    def settle(self, reqs: list, choices: list[Choice], batch_size: int) -> list[Choice]:
+        """Each row chose its k as if the forward were its own; but the batch verifies at one
+        width W = the largest k, and every row pays W + 1 positions of it (under load the
+        forward is compute-bound: B (W + 1) tokens). Keep the W in [0, max k] that maximises
+        the batch's expected committed tokens per second, sum_rows E_r[tokens | min(k_r, W)]
+        / (t_target(B, W + 1) + t_draft(W)), and cut every row's k to it: as concurrency rises
+        and a wide verify costs more, speculation shortens and at last switches itself off."""
+        kmax = max(c.k for c in choices)
+        if kmax == 0 or len(choices) < 2:
+            return choices
+        alphas = [self._alphas(r, c.source, c.k, c.key) if c.k else [] for r, c in zip(reqs, choices)]
+        drafting = {c.source for c in choices if c.k}
+        # the batch pays the costliest drafting part among its rows (a model, not a lookup)
+        source = max(drafting, key=lambda s: (self._draft_cost({s: 1.0} if s else None, kmax, 1.0), str(s)))
+        costs = self._round_costs(batch_size, kmax, None, source)
+        best_w, best = 0, -1.0
+        for w, cost in enumerate(costs):
+            e = sum(expected_tokens(a, min(c.k, w)) for a, c in zip(alphas, choices))
+            rate = e / max(cost, 1e-12)
+            if rate > best * (1 + 1e-9):  # ties go to the narrower batch
+                best_w, best = w, rate
+        if best_w == kmax:
+            return choices
+        return [c if c.k <= best_w else (Choice(best_w, c.source, c.key) if best_w else Choice(0))
+                for c in choices]
 
     def _best(self, req, batch_size: int, kmax: int, source: str | None,
               key: str | None = None, lag: int = 0, remaining: int | None = None) -> tuple[int, float]:

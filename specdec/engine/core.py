@@ -33,6 +33,9 @@ from specdec.runtime.kv_cache import common_prefix, rows_arg
 from specdec.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
+PREFIX_SCAN = 64  # rows searched for a shared prefix (the most recently freed / running ones)
+
+
 class Engine:
     def __init__(self, model, tokenizer: Tokenizer | None, proposer: Proposer | None = None,
                  num_draft_tokens: int | str = 0, max_batch: int = 8, max_seq_len: int | None = None,
@@ -107,7 +110,6 @@ class Engine:
         self.cache.set_length(row, reuse)
         self.row_tokens[row] = []
         req.cached_tokens = reuse
-        self._copy_in(req)
         if self.proposer is not None:
             self.proposer.begin(req)
         self.policy.begin(req)
@@ -131,23 +133,28 @@ class Engine:
 
     # ---- prefix reuse ----------------------------------------------------------------------
     def _pick_row(self, tokens: list[int]) -> tuple[int, int]:
-        """(free row, prompt tokens whose KV it already holds): the longest shared prefix, at
-        most all tokens but the last (the first round feeds that one); else the least recently
-        freed row."""
-        best, best_n = self.free_rows[0], 0
-        for row in self.free_rows:
-            n = common_prefix(self.row_tokens[row], tokens, len(tokens) - 1)
-            if n > best_n:
-                best, best_n = row, n
+        """(free row, prompt tokens whose KV it already holds): the longest shared prefix among
+        the PREFIX_SCAN most recently freed rows, at most all tokens but the last (the first
+        round feeds that one); else the least recently freed row."""
+        best, best_n, want = self.free_rows[0], 0, len(tokens) - 1
+        for row in reversed(self.free_rows[-PREFIX_SCAN:]):
+            held = self.row_tokens[row]
+            if held and held[0] == tokens[0]:
+                n = common_prefix(held, tokens, want)
+                if n > best_n:
+                    best, best_n = row, n
+                    if n == want:
+                        break
         return best, best_n
 
-    def _copy_in(self, req: Request) -> None:
-        """Copy KV for a longer shared prefix from another active row (a sibling of an n > 1
-        request, a chat turn still running) into req's row."""
+    def _copy_in(self, req: Request, donors: list[Request]) -> None:
+        """Copy KV for a longer shared prefix from one of `donors` (running rows: a sibling of
+        an n > 1 request, another user of the same system prompt) into req's row."""
         have, donor = self.cache.lengths[req.row], None
-        for d in self.active:
-            if d is not req and self.cache.lengths[d.row] > have:
-                n = common_prefix(d.tokens[: self.cache.lengths[d.row]], req.tokens, len(req.tokens) - 1)
+        for d in donors:
+            n_d = self.cache.lengths[d.row]
+            if d is not req and n_d > have and d.tokens[0] == req.tokens[0]:
+                n = common_prefix(d.tokens[:n_d], req.tokens, len(req.tokens) - 1)
                 if n > have:
                     have, donor = n, d
         if donor is not None:
@@ -169,7 +176,7 @@ class Engine:
         if not reqs:  # every row is still in its prompt (chunked prefill)
             return RoundResult([], 0, 0.0, 0.0)
         t0 = time.perf_counter()
-        choices = [self._plan(r, len(reqs)) for r in reqs]
+        choices = self.policy.settle(reqs, [self._plan(r, len(reqs)) for r in reqs], len(reqs))
         prop, t_draft = self._propose(reqs, choices)
         logits, hidden, t_target = self._score(reqs, prop)
         out, n_emit, logprobs = self._verify(reqs, logits, prop)
@@ -190,17 +197,27 @@ class Engine:
         if not pending:
             return reqs
         t0 = time.perf_counter()
-        leaders, followers = [], []
+        # Identical token lists (n > 1, retries, a test's thousands of rows) are one group: its
+        # head borrows or computes the KV, the rest copy the head's.
+        groups: dict[tuple, list[Request]] = {}
         for r in pending:
-            self._copy_in(r)
-            if ready(r):
-                continue
-            have = self.cache.lengths[r.row]
-            covered = any(common_prefix(lead.tokens, r.tokens, len(r.tokens) - 1) > have for lead in leaders)
-            (followers if covered else leaders).append(r)
+            groups.setdefault(tuple(r.tokens), []).append(r)
+        donors = [d for d in self.active if self.cache.lengths[d.row] > 0][-PREFIX_SCAN:]
+        leaders = []  # computed by this step's forward
+        copies = []  # (request, the rows it copies from after the forward), in order
+        for rs in groups.values():
+            head = max(rs, key=lambda r: self.cache.lengths[r.row])
+            self._copy_in(head, donors)
+            if not ready(head):
+                have = self.cache.lengths[head.row]
+                if any(common_prefix(lead.tokens, head.tokens, len(head.tokens) - 1) > have for lead in leaders):
+                    copies.append((head, leaders))  # another prompt's forward covers more of it
+                else:
+                    leaders.append(head)
+            copies += [(r, [head]) for r in rs if r is not head]
         todo = kv_prefill(self.model, self.cache, leaders, self.prefill_chunk)
-        for r in followers:
-            self._copy_in(r)
+        for r, sources in copies:
+            self._copy_in(r, sources)
         done = [r for r in pending if ready(r)]
         # A draft model's prompt is prompt processing too, where it will surely be needed: at a
         # fixed k > 0, for requests with room to draft (adaptive k prices it as catch-up and may

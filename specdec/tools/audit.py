@@ -48,6 +48,19 @@ CONTROLS = ("redraw-from-p",)
 EXTRA_SLOTS = 64  # longest suffix past the prefix a memo miss may have
 
 
+class SlotCache(KVCache):
+    """A MemoModel's cache: lengths as usual; instead of keys/values, the token written at each
+    slot (`slots` [B, S]), which is what a prefix copy copies."""
+
+    def __init__(self, batch_size: int, max_seq_len: int, headroom: int):
+        super().__init__(0, batch_size, 1, 1, max_seq_len, headroom=headroom)
+        self.slots = torch.full((batch_size, self.capacity), -1, dtype=torch.long)
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        self.slots[dst, :n] = self.slots[src, :n]
+        self.lengths[dst] = n
+
+
 class MemoModel:
     """Answers `forward` like `model` would, from a memo keyed by the tokens each query attends to."""
 
@@ -68,10 +81,7 @@ class MemoModel:
         self.hits = self.misses = 0
 
     def new_cache(self, batch_size: int, max_seq_len: int | None = None, headroom: int = 33) -> KVCache:
-        """Lengths as usual; instead of keys/values, the token written at each slot."""
-        cache = KVCache(0, batch_size, 1, 1, max_seq_len or self.args.max_seq_len, headroom=headroom)
-        cache.slots = torch.full((batch_size, cache.capacity), -1, dtype=torch.long)  # [B, S]
-        return cache
+        return SlotCache(batch_size, max_seq_len or self.args.max_seq_len, headroom)
 
     def forward(self, tokens, positions, cache, mask=None, return_hidden=False, rows=None,
                 logits_at=None):

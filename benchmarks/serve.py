@@ -1,0 +1,276 @@
+"""Serving under load: aggregate tokens/s, TTFT and inter-token latency at concurrency 1, 2, 4,
+8, 16 against `specdec serve` with speculation, without it, and optionally llama-server and vLLM's
+CPU build, on the same prompts; plus TTFT of a repeated long prefix with and without reuse.
+
+Each server is started here as a subprocess on a free loopback port, warmed up, swept, and
+stopped before the next starts (they would share the 2 cores otherwise). A level sends
+`--requests-per-level` x concurrency streaming greedy completions (asyncio + the openai client)
+through a semaphore of that size. Tokens are counted from each stream's usage (or its chunks
+where a server gives none), so servers that stop early are not flattered: aggregate tokens/s is
+all tokens / wall time of the level. ITL is per stream: (last token time - first token time) /
+(tokens - 1).
+
+    .venv/bin/python benchmarks/serve.py --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \\
+        --draft-dtype q4_0 --threads 2
+    # optional anchors: --llama-server PATH/llama-server   --vllm-python PATH/venv/bin/python
+
+Ends with a table, a plot (--plot), and one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import re
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+
+from specdec.runtime.hub import model_path, resolve_model
+from specdec.tools.prompts import humaneval
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, name: str, cmd: list[str], port: int, model_id: str, env=None):
+        self.name, self.cmd, self.port, self.model_id = name, cmd, port, model_id
+        self.env = env
+        self.proc = None
+
+    def __enter__(self):
+        self.log = open(f"/tmp/bench_serve_{self.name}.log", "w")
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(self.env or {})})
+        deadline = time.time() + 900  # vLLM compiles for minutes on its first start
+        import urllib.request
+
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited; see /tmp/bench_serve_{self.name}.log")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                time.sleep(1)
+        raise RuntimeError(f"{self.name} did not start in time")
+
+    def __exit__(self, *exc):
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+
+async def one(client, model, prompt, max_tokens, ignore_eos):
+    t0 = time.perf_counter()
+    times, usage, n_chunks = [], None, 0
+    extra = {"ignore_eos": True} if ignore_eos else {}
+    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                             stream=True, stream_options={"include_usage": True},
+                                             extra_body=extra)
+    async for ch in stream:
+        if ch.usage is not None:
+            usage = ch.usage.completion_tokens
+        if ch.choices and ch.choices[0].text:
+            times.append(time.perf_counter())
+            n_chunks += 1
+    n = usage if usage is not None else n_chunks
+    ttft = times[0] - t0 if times else float("nan")
+    itl = (times[-1] - times[0]) / (n - 1) if n > 1 and len(times) > 1 else float("nan")
+    return n, ttft, itl
+
+
+async def level(url, model, prompts, concurrency, n_requests, max_tokens, ignore_eos):
+    client = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=1800)
+    sem = asyncio.Semaphore(concurrency)
+
+    async def run(i):
+        async with sem:
+            return await one(client, model, prompts[i % len(prompts)], max_tokens, ignore_eos)
+
+    t0 = time.perf_counter()
+    res = await asyncio.gather(*(run(i) for i in range(n_requests)))
+    wall = time.perf_counter() - t0
+    await client.close()
+    toks = sum(r[0] for r in res)
+    ttfts = sorted(r[1] for r in res)
+    itls = sorted(r[2] for r in res if r[2] == r[2])
+    pct = lambda xs, q: xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")  # noqa: E731
+    return {"concurrency": concurrency, "requests": n_requests, "tokens": toks, "wall_s": wall,
+            "tok_s": toks / wall, "ttft_p50": pct(ttfts, 0.5), "ttft_p99": pct(ttfts, 0.99),
+            "itl_p50": pct(itls, 0.5), "itl_p99": pct(itls, 0.99)}
+
+
+async def prefix_ttft(url, model, tokenizer_words: list[str], trials: int):
+    """TTFT of a ~1000-token prefix seen for the first time (cold: a fresh random prefix) and
+    of the same prefix again with another question (warm: its KV reused)."""
+    client = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=1800)
+    cold, warm = [], []
+    rnd = random.Random(0)
+    for t in range(trials):
+        prefix = " ".join(rnd.choice(tokenizer_words) for _ in range(700))
+        for bucket, q in ((cold, "Question 1: summarise."), (warm, "Question 2: what comes next?")):
+            t0 = time.perf_counter()
+            s = await client.completions.create(model=model, prompt=prefix + "\n" + q, max_tokens=1,
+                                                temperature=0, stream=True)
+            async for _ in s:
+                pass
+            bucket.append(time.perf_counter() - t0)
+    await client.close()
+    return statistics.median(cold), statistics.median(warm)
+
+
+def our_server(name, a, port, speculative: bool) -> Server:
+    cmd = [sys.executable, "-m", "specdec.cli", "serve", "--model", a.model, "--port", str(port),
+           "--threads", str(a.threads), "--max-batch", str(max(a.levels)), "--max-model-len", str(a.max_model_len)]
+    if speculative:
+        if a.draft:
+            cmd += ["--draft", a.draft, "--draft-dtype", a.draft_dtype]
+        else:
+            cmd += ["--proposer", "ngram"]
+        cmd += ["--num-draft-tokens", a.k]
+    return Server(name, cmd, port, a.model)
+
+
+def llama_server(name, a, port, draft: bool) -> Server:
+    gguf = str(model_path(a.model))
+    cmd = [a.llama_server, "-m", gguf, "--port", str(port), "--host", "127.0.0.1", "-t", str(a.threads),
+           "-np", str(max(a.levels)), "-c", str(a.max_model_len * max(a.levels)), "--no-webui"]
+    if draft and a.draft:
+        cmd += ["-md", str(model_path(a.draft)), "--draft-max", "8", "--draft-min", "0"]
+    return Server(name, cmd, port, "default")
+
+
+def vllm_server(name, a, port, ngram: bool) -> Server:
+    path = str(resolve_model(a.model))
+    cmd = [a.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--port", str(port),
+           "--served-model-name", a.model, "--dtype", "bfloat16", "--max-model-len", str(a.max_model_len),
+           "--max-num-seqs", str(max(a.levels))]
+    if ngram:
+        cmd += ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 4,
+                                                    "prompt_lookup_max": 4})]
+    return Server(name, cmd, port, a.model, env={"VLLM_CPU_KVCACHE_SPACE": "4",
+                                                  "OMP_NUM_THREADS": str(a.threads)})
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--draft", default="qwen2.5-coder-0.5b", help="draft model ('' for the n-gram proposer)")
+    ap.add_argument("--draft-dtype", default="q4_0")
+    ap.add_argument("--k", default="auto", help="--num-draft-tokens of our speculative server")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--levels", default="1,2,4,8,16")
+    ap.add_argument("--requests-per-level", type=int, default=2, help="requests = this x concurrency (min 4)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--ignore-eos", action="store_true", help="every request decodes --max-tokens")
+    ap.add_argument("--prompts", type=int, default=16, help="HumanEval prompts used (cycled)")
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--servers", default="spec,plain", help="of spec, plain, llama, llama-draft, vllm, vllm-ngram")
+    ap.add_argument("--llama-server", default=None, help="path of a llama-server binary")
+    ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu")
+    ap.add_argument("--prefix-trials", type=int, default=3, help="repeated-prefix TTFT trials (0: skip)")
+    ap.add_argument("--plot", default="docs/bench/serve.png")
+    a = ap.parse_args()
+    a.levels = [int(x) for x in a.levels.split(",")]
+    a.draft = a.draft or None
+    prompts = humaneval(a.prompts)
+    makers = {"spec": lambda n, p: our_server(n, a, p, True), "plain": lambda n, p: our_server(n, a, p, False),
+              "llama": lambda n, p: llama_server(n, a, p, False), "llama-draft": lambda n, p: llama_server(n, a, p, True),
+              "vllm": lambda n, p: vllm_server(n, a, p, False), "vllm-ngram": lambda n, p: vllm_server(n, a, p, True)}
+    names = a.servers.split(",")
+    for n in names:
+        if n not in makers:
+            sys.exit(f"--servers: {n!r}; allowed: {', '.join(makers)}")
+        if n.startswith("llama") and not a.llama_server:
+            sys.exit(f"--servers {n} needs --llama-server PATH")
+        if n.startswith("vllm") and not a.vllm_python:
+            sys.exit(f"--servers {n} needs --vllm-python PATH")
+    print(f"# CPU: {cpu_name()}, {os.cpu_count()} cores; model {a.model}, draft {a.draft} ({a.draft_dtype}), "
+          f"k={a.k}, threads {a.threads}, {a.max_tokens} tokens/request, prompts: HumanEval x{len(prompts)}")
+    results, prefix = {}, {}
+    for name in names:
+        port = free_port()
+        with makers[name](name, port) as srv:
+            asyncio.run(level(srv.url, srv.model_id, prompts[:2], 1, 2, 8, False))  # warm-up
+            rows = []
+            for c in a.levels:
+                r = asyncio.run(level(srv.url, srv.model_id, prompts, c, max(4, a.requests_per_level * c),
+                                      a.max_tokens, a.ignore_eos))
+                rows.append(r)
+                print(f"{name:12s} c={c:3d}  {r['tok_s']:7.1f} tok/s  TTFT p50 {r['ttft_p50']:6.2f}s "
+                      f"p99 {r['ttft_p99']:6.2f}s  ITL p50 {r['itl_p50'] * 1e3:6.1f}ms p99 {r['itl_p99'] * 1e3:6.1f}ms",
+                      flush=True)
+            results[name] = rows
+            if a.prefix_trials and name in ("spec", "plain"):
+                words = re.findall(r"[a-z]+", " ".join(prompts))
+                cold, warm = asyncio.run(prefix_ttft(srv.url, srv.model_id, words, a.prefix_trials))
+                prefix[name] = {"cold_ttft_s": cold, "warm_ttft_s": warm, "speedup": cold / warm}
+                print(f"{name:12s} repeated ~1000-token prefix: TTFT cold {cold:.2f}s, warm {warm:.3f}s "
+                      f"({cold / warm:.1f}x)", flush=True)
+    print("\n| server | " + " | ".join(f"c={c}" for c in a.levels) + " |")
+    print("|---|" + "---|" * len(a.levels))
+    for name, rows in results.items():
+        print(f"| {name} tok/s | " + " | ".join(f"{r['tok_s']:.1f}" for r in rows) + " |")
+    ratios = {}
+    if "spec" in results and "plain" in results:
+        ratios = {c: s["tok_s"] / p["tok_s"] for c, s, p in zip(a.levels, results["spec"], results["plain"])}
+        print("| spec / plain | " + " | ".join(f"{ratios[c]:.2f}x" for c in a.levels) + " |")
+    if a.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+        for name, rows in results.items():
+            ax1.plot(a.levels, [r["tok_s"] for r in rows], marker="o", label=name)
+            ax2.plot(a.levels, [r["itl_p50"] * 1e3 for r in rows], marker="o", label=name)
+        ax1.set(xscale="log", xlabel="concurrent requests", ylabel="aggregate tokens/s", title="throughput")
+        ax2.set(xscale="log", xlabel="concurrent requests", ylabel="ITL p50 (ms)", title="inter-token latency")
+        for ax in (ax1, ax2):
+            ax.set_xticks(a.levels, [str(c) for c in a.levels])
+            ax.legend()
+            ax.grid(alpha=0.3)
+        fig.suptitle(f"{a.model} (draft {a.draft}), {cpu_name()}, {a.threads} threads")
+        fig.tight_layout()
+        Path(a.plot).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(a.plot, dpi=110)
+        print(f"plot: {a.plot}")
+    print(json.dumps({"bench": "serve", "cpu": cpu_name(), "model": a.model, "draft": a.draft, "k": a.k,
+                      "threads": a.threads, "max_tokens": a.max_tokens, "results": results,
+                      "spec_over_plain": ratios, "prefix_reuse": prefix}))
+
+
+if __name__ == "__main__":
+    main()
