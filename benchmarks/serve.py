@@ -165,9 +165,9 @@ def our_server(name, a, port, speculative: bool) -> Server:
 def llama_server(name, a, port, draft: bool) -> Server:
     gguf = str(model_path(a.model))
     cmd = [a.llama_server, "-m", gguf, "--port", str(port), "--host", "127.0.0.1", "-t", str(a.threads),
-           "-np", str(max(a.levels)), "-c", str(a.max_model_len * max(a.levels)), "--no-webui"]
-    if draft and a.draft:
-        cmd += ["-md", str(model_path(a.draft)), "--draft-max", "8", "--draft-min", "0"]
+           "-tb", str(a.threads), "-np", str(max(a.levels)), "-c", str(a.max_model_len * max(a.levels)), "-cb"]
+    if draft and a.draft:  # its default draft settings but for the draft length, as ours (k_max 8)
+        cmd += ["-md", str(model_path(a.draft)), "--spec-draft-n-max", "8", "-td", str(a.threads)]
     return Server(name, cmd, port, "default")
 
 

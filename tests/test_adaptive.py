@@ -397,3 +397,20 @@ def test_settle_cuts_the_batch_width_when_a_wide_verify_costs_more():
     pol, rows = policy(flat)
     assert pol.settle(rows, choices, 8) == choices
     assert FixedK(4).settle(rows, [Choice(4)] * 8, 8) == [Choice(4)] * 8
+
+
+def test_draft_prompt_prefilled_while_speculation_runs_at_that_load():
+    """Adaptive k prefills a draft model's prompt with the target's (so an untried draft is not
+    priced out by its prompt's catch-up) until the batch settles on plain rounds at that size."""
+    pol = AdaptiveK(8, cost=lambda B, k: B * (k + 1))
+    rows = [_Req(i) for i in range(8)]
+    for r in rows:
+        pol.begin(r)
+    assert pol.prefills_draft(8) and pol.prefills_draft(1)  # nothing known: speculation is tried
+    for _ in range(30):
+        pol.settle(rows, [Choice(0)] * 8, 8)
+    assert not pol.prefills_draft(8) and pol.prefills_draft(1)
+    for _ in range(30):
+        pol.settle(rows, [Choice(3, "draft", "draft")] * 8, 8)  # (the pool's prior alpha: 0.6)
+    assert pol.prefills_draft(8) == any(c.k for c in pol.settle(rows, [Choice(3, "draft", "draft")] * 8, 8))
+    assert FixedK(4).prefills_draft(8)

@@ -35,9 +35,12 @@ in fp32 here) for the one round its n-gram has no match, and on a short open-end
 still starts its draft model.
 
 The costs are measured, not assumed: `CostCurve` keeps an exponential moving average of the
-observed seconds per round for each forward width (target: per batch size B and T = k + 1;
-draft: per k and per proposer, so a composite's free n-gram rounds and costly draft-model rounds
-are kept apart) and interpolates between measured widths. On this CPU t_target(T) is far from flat
+observed seconds for each width and interpolates between measured widths. The target's curve is
+over the verify forward's real shape, B rows x (k + 1) tokens, one curve for every batch size (a
+plain round of 16 rows and a k = 3 round of 4 rows both verify 16 tokens, and under load the
+forward is compute-bound in that number); a draft's is seconds per draft step over the rows
+drafting, per proposer, so a composite's free n-gram rounds and costly draft-model rounds are
+kept apart, and k steps cost k times one. On this CPU t_target(T) is far from flat
 for some backends, so it matters that the curve is the machine's own.
 
 Losslessness: k (and which proposer drafts) is chosen from the past only (committed tokens,
@@ -63,6 +66,7 @@ CATCH_UP_PRIOR_C = 0.05  # a draft model's cost per caught-up (prefilled) token,
 STEADY_CATCH_UP = 2  # tokens a draft model feeds every round anyway (last accepted + bonus)
 CATCH_UP_HORIZON = 32  # a catch-up is spread over at most this many of the next tokens
 VERIFY_PRIOR_SLOPE = 0.05  # target cost per extra verified token, same units, until measured
+DRAFT_ROW_PRIOR_SLOPE = 0.3  # a draft step's cost per extra row, as a fraction, until measured
 
 
 def expected_tokens(alphas: list[float], k: int) -> float:
@@ -150,10 +154,10 @@ class _Acceptance:
 _NOTHING_SEEN = _Acceptance()  # read-only stand-in for a record with no rounds yet
 
 
-def _measured(curve: CostCurve | None, k: int) -> float | None:
-    """A draft cost curve's estimate at k once it holds a real measurement (its k = 0 point
-    is put there, not measured), else None."""
-    return curve.estimate(k) if curve is not None and len(curve.seen) >= 2 else None
+def _measured(step: CostCurve | None, k: int, rows: int) -> float | None:
+    """Measured seconds to draft k tokens for `rows` rows: k draft steps at the per-step cost
+    the curve (over rows) estimates; None before any measurement."""
+    return k * step.estimate(rows) if step is not None and step.seen else None
 
 
 class KPolicy(Protocol):
@@ -161,7 +165,10 @@ class KPolicy(Protocol):
     that does not learn implements the observations as no-ops."""
 
     k_max: int
-    prefills_draft: bool  # True: a draft model's prompt is prefilled with the target's
+    def prefills_draft(self, batch_size: int) -> bool:
+        """Whether a draft model's prompt is prefilled with the target's (prompt processing),
+        rather than caught up when the draft model first runs."""
+        ...
 
     def begin(self, req) -> None: ...
 
@@ -191,11 +198,12 @@ class KPolicy(Protocol):
 class FixedK:
     """The same k every round (the budget near max_tokens / the context limit still cuts it)."""
 
-    prefills_draft = True  # the draft model will surely run: its prompt is prompt processing
-
     def __init__(self, k: int):
         self.k = k
         self.k_max = k
+
+    def prefills_draft(self, batch_size: int) -> bool:
+        return True  # the draft model will surely run: its prompt is prompt processing
 
     def choose(self, req, batch_size: int, limit: int) -> int:
         return min(self.k, limit)  # a fixed k is asked for even where the proposer has fewer
@@ -229,13 +237,17 @@ class AdaptiveK:
     cost: optional fixed cost model `cost(batch_size, k) -> seconds` (tests use one to make the
     choice depend only on acceptance); by default costs are measured online."""
 
-    prefills_draft = False  # a draft model's prompt is priced as catch-up; it may never run
+    SPECULATING = 0.25  # below this decayed share of rounds that drafted, at a batch size, a
+    # draft model's prompt is left to catch-up (priced, maybe never paid) instead of prefilled
 
     def __init__(self, k_max: int, cost=None, free_sources: set[str] = frozenset()):
         self.k_max = k_max
         self.cost = cost
-        self.target: dict[int, CostCurve] = {}  # batch size -> curve over T = k + 1
-        self.draft: dict[str, CostCurve] = {}  # proposer (source) name -> curve over k
+        # Target: seconds per verify forward over its real shape, rows x (k + 1) tokens, one curve
+        # for every batch size (a plain round of 16 rows and a k = 3 round of 4 rows both verify
+        # 16 tokens). Draft: seconds per draft step over the rows drafting, per proposer.
+        self.target = CostCurve(VERIFY_PRIOR_SLOPE)
+        self.draft: dict[str, CostCurve] = {}  # proposer (source) name -> step seconds over rows
         self.catch_up: dict[str, float] = {}  # proposer name -> EMA seconds per caught-up token
         self.sources: dict[int, dict[str, float]] = {}  # request id -> decayed rounds per proposer
         # Acceptance counts per proposer (key: its name; None: all proposers together, what a
@@ -245,6 +257,14 @@ class AdaptiveK:
         self.chosen = Counter()
         # proposers that run no model (n-gram lookup): drafting costs ~nothing until measured
         self.free_sources: set[str] = set(free_sources)
+        self.drafting: dict[int, float] = {}  # batch size -> decayed share of rounds with drafts
+
+    def prefills_draft(self, batch_size: int) -> bool:
+        """While speculation runs at this load (or before anything is known), a draft model's
+        prompt is prompt processing, prefilled with the target's: priced as catch-up instead,
+        a prompt of a few hundred tokens would keep an untried draft model from ever starting.
+        Where the batch has settled on plain rounds, it is left to catch-up."""
+        return self.drafting.get(batch_size, 1.0) >= self.SPECULATING
 
     def begin(self, req) -> None:
         self.state[req.id] = {}
@@ -285,26 +305,24 @@ class AdaptiveK:
         """cost(k) for k = 0..kmax (the base t_target(B, 1) is looked up once)."""
         if self.cost is not None:
             return [self.cost(batch_size, k) for k in range(kmax + 1)]
-        curve = self.target.get(batch_size)
-        t1 = curve.estimate(1) if curve else None
-        if t1 is None:  # nothing measured for this batch size: borrow the closest one's
-            others = [c.estimate(1) for c in self.target.values()]
-            t1 = min(others) if others else 1.0
+        B = batch_size
+        t1 = self.target.estimate(B)  # a plain round
+        t1 = 1.0 if t1 is None else t1  # (nothing measured yet)
         mix = {source: 1.0} if source else shares  # whose draft cost: the named proposer's, or a mix
         costs = []
         for k in range(kmax + 1):
-            tt = curve.estimate(k + 1) if curve else None
+            tt = self.target.estimate(B * (k + 1))
             if tt is None:
                 tt = t1 * (1 + VERIFY_PRIOR_SLOPE * k)
-            costs.append(tt + self._draft_cost(mix, k, t1))
+            costs.append(tt + self._draft_cost(mix, k, t1, B))
         return costs
 
-    def _draft_cost(self, shares: dict[str, float] | None, k: int, t1: float) -> float:
-        """Measured draft cost at k, mixed by how often each proposer drafted for this request
-        lately (a composite's n-gram rounds are nearly free, its draft-model rounds are not);
-        before any round, the costliest curve measured."""
+    def _draft_cost(self, shares: dict[str, float] | None, k: int, t1: float, rows: int = 1) -> float:
+        """Measured draft cost at k for `rows` rows, mixed by how often each proposer drafted
+        for this request lately (a composite's n-gram rounds are nearly free, its draft-model
+        rounds are not); before any round, the costliest curve measured."""
         def cost(curve, src=None):
-            est = _measured(curve, k)
+            est = _measured(curve, k, rows)
             if est is not None:
                 return est
             return 0.0 if src in self.free_sources else DRAFT_PRIOR_C * t1 * k
@@ -352,12 +370,16 @@ class AdaptiveK:
         / (t_target(B, W + 1) + t_draft(W)), and cut every row's k to it: as concurrency rises
         and a wide verify costs more, speculation shortens and at last switches itself off."""
         kmax = max(c.k for c in choices)
-        if kmax == 0 or len(choices) < 2:
-            return choices
+        settled = self._settle(reqs, choices, batch_size, kmax) if kmax and len(choices) > 1 else choices
+        share = self.drafting.get(batch_size, 1.0)
+        self.drafting[batch_size] = DECAY * share + (1 - DECAY) * float(any(c.k for c in settled))
+        return settled
+
+    def _settle(self, reqs: list, choices: list[Choice], batch_size: int, kmax: int) -> list[Choice]:
         alphas = [self._alphas(r, c.source, c.k, c.key) if c.k else [] for r, c in zip(reqs, choices)]
         drafting = {c.source for c in choices if c.k}
         # the batch pays the costliest drafting part among its rows (a model, not a lookup)
-        source = max(drafting, key=lambda s: (self._draft_cost({s: 1.0} if s else None, kmax, 1.0), str(s)))
+        source = max(drafting, key=lambda s: (self._draft_cost({s: 1.0} if s else None, kmax, 1.0, batch_size), str(s)))
         costs = self._round_costs(batch_size, kmax, None, source)
         best_w, best = 0, -1.0
         for w, cost in enumerate(costs):
@@ -414,7 +436,7 @@ class AdaptiveK:
         """Once per round (so also where the pool forgets: per round, not per request)."""
         for counts in self.pool.values():
             counts.decay()
-        self.target.setdefault(batch_size, CostCurve(VERIFY_PRIOR_SLOPE)).observe(width, seconds)
+        self.target.observe(batch_size * width, seconds)
 
     def observe_catch_up(self, tokens: int, seconds: float, source: str | None = None) -> None:
         """A proposing round that first fed `tokens` committed tokens (beyond the steady feed)
@@ -424,9 +446,9 @@ class AdaptiveK:
             old = self.catch_up.get(source)
             self.catch_up[source] = per if old is None else (1 - EMA) * old + EMA * min(per, 3 * old)
 
-    def draft_estimate(self, k: int, source: str | None) -> float | None:
-        """Measured seconds to draft k tokens (no catch-up) by `source`, or None."""
-        return _measured(self.draft.get(source), k)
+    def draft_estimate(self, k: int, source: str | None, rows: int = 1) -> float | None:
+        """Measured seconds to draft k tokens for `rows` rows (no catch-up) by `source`, or None."""
+        return _measured(self.draft.get(source), k, rows)
 
     def observe_draft(self, k: int, seconds: float, proposal: Proposal) -> None:
         """One proposing call at width k, all rows. A call in which one part drafted every row
@@ -437,21 +459,18 @@ class AdaptiveK:
         if len(sources) != 1:
             return
         source = sources.pop()
+        rows = proposal.tokens.shape[0]
         if proposal.catch_up <= STEADY_CATCH_UP:
-            self.observe_draft_cost(k, seconds, source)
+            self.observe_draft_cost(k, seconds, source, rows)
         else:
-            est = self.draft_estimate(k, source)
+            est = self.draft_estimate(k, source, rows)
             extra = seconds - est if est is not None else seconds * proposal.catch_up / (proposal.catch_up + k)
             self.observe_catch_up(proposal.catch_up - STEADY_CATCH_UP, extra, source)
 
-    def observe_draft_cost(self, k: int, seconds: float, source: str | None = None) -> None:
-        """Seconds to draft k tokens by `source` (no catch-up)."""
+    def observe_draft_cost(self, k: int, seconds: float, source: str | None = None, rows: int = 1) -> None:
+        """Seconds to draft k tokens for `rows` rows by `source` (no catch-up): k draft steps."""
         if k > 0:
-            curve = self.draft.get(source)
-            if curve is None:
-                curve = self.draft[source] = CostCurve(prior_slope=1.0)
-                curve.observe(0, 0.0)  # drafting nothing costs nothing
-            curve.observe(k, seconds)
+            self.draft.setdefault(source, CostCurve(DRAFT_ROW_PRIOR_SLOPE)).observe(rows, seconds / k)
 
 
 def k_policy(num_draft_tokens: int | str, max_draft_tokens: int, cost=None,

@@ -219,10 +219,10 @@ class Engine:
         for r, sources in copies:
             self._copy_in(r, sources)
         done = [r for r in pending if ready(r)]
-        # A draft model's prompt is prompt processing too, where it will surely be needed: at a
-        # fixed k > 0, for requests with room to draft (adaptive k prices it as catch-up and may
-        # never start the draft model).
-        if self.proposer is not None and self.policy.prefills_draft:
+        # A draft model's prompt is prompt processing too, where it will be needed: at a fixed
+        # k > 0, or while adaptive k speculates at this load, for requests with room to draft
+        # (else adaptive k prices it as catch-up and may never start the draft model).
+        if self.proposer is not None and self.policy.prefills_draft(len(self.active)):
             drafting = [r for r in done if min(self.policy.k_max, self._room(r)[0]) > 0]
             if drafting:
                 t1 = time.perf_counter()
