@@ -414,3 +414,32 @@ def test_draft_prompt_prefilled_while_speculation_runs_at_that_load():
         pol.settle(rows, [Choice(3, "draft", "draft")] * 8, 8)  # (the pool's prior alpha: 0.6)
     assert pol.prefills_draft(8) == any(c.k for c in pol.settle(rows, [Choice(3, "draft", "draft")] * 8, 8))
     assert FixedK(4).prefills_draft(8)
+
+
+def test_one_slow_measurement_does_not_price_drafting_out_for_good():
+    """The first k = 1 round was slow (a cold start: 3x its real cost), so drafting looks
+    worse than plain and is never chosen again, unless the policy explores: every
+    EXPLORE_EVERY plain rounds it drafts one token, measures again, and climbs to a long k
+    where every draft is accepted and a wider verify is nearly free."""
+    from specdec.engine.adaptive import EXPLORE_EVERY
+
+    def true_cost(M):
+        return 1.0 + 0.02 * (M - 1)
+
+    pol = AdaptiveK(8)
+    r = _Req(0)
+    pol.begin(r)
+    pol.observe_target(1, 1, true_cost(1))
+    pol.observe_target(1, 2, 3 * true_cost(2))  # the slow first k = 1 round
+    pol.observe_draft_cost(1, 0.05, "draft")
+    pol.observe_round(r, 1, 1, "draft")
+    ks = []
+    for _ in range(6 * EXPLORE_EVERY):
+        c = pol.settle([r], [pol.choose_among(r, 1, 8, [Candidate("draft", 8)])], 1)[0]
+        ks.append(c.k)
+        pol.observe_target(1, c.k + 1, true_cost(c.k + 1))
+        if c.k:
+            pol.observe_draft_cost(c.k, 0.05 * c.k, "draft")
+        pol.observe_round(r, c.k, c.k, c.source)
+    assert ks[:EXPLORE_EVERY - 1] == [0] * (EXPLORE_EVERY - 1)  # priced out at first
+    assert max(ks[-EXPLORE_EVERY:]) >= 4 and ks[-1] >= 4  # explored, measured, climbed

@@ -66,6 +66,7 @@ CATCH_UP_PRIOR_C = 0.05  # a draft model's cost per caught-up (prefilled) token,
 STEADY_CATCH_UP = 2  # tokens a draft model feeds every round anyway (last accepted + bonus)
 CATCH_UP_HORIZON = 32  # a catch-up is spread over at most this many of the next tokens
 VERIFY_PRIOR_SLOPE = 0.05  # target cost per extra verified token, same units, until measured
+EXPLORE_EVERY = 32  # plain rounds in a row before a priced-out proposer drafts 1 token again
 DRAFT_ROW_PRIOR_SLOPE = 0.3  # a draft step's cost per extra row, as a fraction, until measured
 
 
@@ -258,6 +259,8 @@ class AdaptiveK:
         # proposers that run no model (n-gram lookup): drafting costs ~nothing until measured
         self.free_sources: set[str] = set(free_sources)
         self.drafting: dict[int, float] = {}  # batch size -> decayed share of rounds with drafts
+        self._declined: dict[int, Choice] = {}  # request id -> the k = 1 round it was priced out of
+        self._quiet = 0  # rounds in a row that drafted nothing while some row could have
 
     def prefills_draft(self, batch_size: int) -> bool:
         """While speculation runs at this load (or before anything is known), a draft model's
@@ -272,6 +275,7 @@ class AdaptiveK:
     def release(self, req) -> None:
         self.state.pop(req.id, None)
         self.sources.pop(req.id, None)
+        self._declined.pop(req.id, None)
 
     def _alphas(self, req, source: str | None, k: int, key: str | None = None) -> list[float]:
         """Per-position estimates for drafts by `source` under acceptance record `key` (default:
@@ -360,6 +364,10 @@ class AdaptiveK:
                 if rate > best_rate * (1 + 1e-9):
                     best, best_rate = Choice(k, cand.source, cand.record), rate
         self.chosen[best.k] += 1
+        if best.k == 0 and best.source is not None:  # priced out: settle may still explore it
+            self._declined[req.id] = Choice(1, best.source, best.key)
+        else:
+            self._declined.pop(req.id, None)
         return best if best.k else Choice(0)
 
     def settle(self, reqs: list, choices: list[Choice], batch_size: int) -> list[Choice]:
@@ -371,9 +379,28 @@ class AdaptiveK:
         and a wide verify costs more, speculation shortens and at last switches itself off."""
         kmax = max(c.k for c in choices)
         settled = self._settle(reqs, choices, batch_size, kmax) if kmax and len(choices) > 1 else choices
+        settled = self._explore(reqs, settled)
         share = self.drafting.get(batch_size, 1.0)
         self.drafting[batch_size] = DECAY * share + (1 - DECAY) * float(any(c.k for c in settled))
         return settled
+
+    def _explore(self, reqs: list, choices: list[Choice]) -> list[Choice]:
+        """Every EXPLORE_EVERY-th round in a row that drafted nothing while some row could
+        have, those rows draft one token. A cost is measured only at widths that are chosen,
+        so one slow measurement (a cold first round, another process on the core) would
+        otherwise price a width out for good; a k = 1 round costs little and measures the
+        narrowest drafting width again, from which the choice climbs if it pays."""
+        if any(c.k for c in choices):
+            self._quiet = 0
+            return choices
+        declined = [self._declined.get(r.id) for r in reqs]
+        if not any(declined):
+            return choices
+        self._quiet += 1
+        if self._quiet < EXPLORE_EVERY:
+            return choices
+        self._quiet = 0
+        return [d or c for d, c in zip(declined, choices)]
 
     def _settle(self, reqs: list, choices: list[Choice], batch_size: int, kmax: int) -> list[Choice]:
         alphas = [self._alphas(r, c.source, c.k, c.key) if c.k else [] for r, c in zip(reqs, choices)]

@@ -1,5 +1,6 @@
 """The serving loop: one engine thread admits, steps and streams; the web side only submits and
-aborts.
+aborts. `specdec serve` runs it on the main thread (`run`) and the web server beside it: torch's
+CPU kernels run ~15% slower called from a second thread than from the main one here.
 
 Continuous batching: requests join and leave between rounds. A submitted job waits in a FCFS
 queue (bounded: a full queue refuses at once, the server answers 429) until the engine has a free
@@ -77,18 +78,34 @@ class Scheduler:
         self._lock = threading.Lock()
         self._queued = 0  # submitted and not yet admitted or aborted
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="specdec-engine", daemon=True)
+        self._live = threading.Event()
+        self._thread: threading.Thread | None = None
         engine.reserve(engine.max_batch)
 
-    # ---- the web side (any thread) -------------------------------------------------------------
+    def run(self) -> None:
+        """The loop, on the calling thread, until `request_stop`."""
+        self._live.set()
+        try:
+            self._loop()
+        finally:
+            self._live.clear()
+
     def start(self) -> None:
+        """The loop on a thread of its own (tests, embedding)."""
+        self._thread = threading.Thread(target=self.run, name="specdec-engine", daemon=True)
         self._thread.start()
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def request_stop(self) -> None:
+        """Safe from a signal handler: the loop ends after its current round."""
         self._stop.set()
         self._inbox.put(("wake", None))
-        self._thread.join(timeout)
 
+    def stop(self, timeout: float = 10.0) -> None:
+        self.request_stop()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ---- the web side (any thread) -------------------------------------------------------------
     def submit(self, job: Job) -> None:
         with self._lock:
             if self._queued >= self.max_waiting:
@@ -106,7 +123,7 @@ class Scheduler:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._live.is_set()
 
     # ---- the engine thread ---------------------------------------------------------------------
     def _loop(self) -> None:

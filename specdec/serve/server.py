@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import socket
 import sys
+import threading
 
 import torch
 import uvicorn
@@ -89,10 +91,17 @@ def cmd_serve(a) -> int:
     print(f"specdec: serving {name!r} ({mode}, {max_batch} rows, context {ctx}) "
           f"on http://{shown}:{port}/v1", flush=True)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    sched.start()
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+    # uvicorn on a thread of its own (it installs no signal handlers there), the engine loop on
+    # the main thread (specdec.serve.scheduler says why); SIGINT / SIGTERM end both.
+    web = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
+                                        timeout_graceful_shutdown=5))
+    web_thread = threading.Thread(target=web.run, kwargs={"sockets": [sock]}, name="specdec-web", daemon=True)
+    web_thread.start()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: sched.request_stop())
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        sched.run()
     finally:
-        sched.stop()
+        web.should_exit = True
+        web_thread.join(10)
     return 0
