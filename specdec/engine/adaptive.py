@@ -355,16 +355,18 @@ class AdaptiveK:
         """Each candidate is priced with its own acceptance (by record), cost (by source) and
         catch-up spread over the next min(`remaining`, CATCH_UP_HORIZON) tokens (None: charged
         to this round), and the best rate wins (k = 0: a plain round, source and key None)."""
-        best, best_rate = Choice(0), -1.0
+        best, best_rate, lag = Choice(0), -1.0, 0
         for cand in candidates:
             kmax = min(self.k_max, limit, cand.available)
             if kmax > 0:
                 k, rate = self._best(req, batch_size, kmax, cand.source, cand.record,
                                      cand.catch_up, remaining)
                 if rate > best_rate * (1 + 1e-9):
-                    best, best_rate = Choice(k, cand.source, cand.record), rate
+                    best, best_rate, lag = Choice(k, cand.source, cand.record), rate, cand.catch_up
         self.chosen[best.k] += 1
-        if best.k == 0 and best.source is not None:  # priced out: settle may still explore it
+        # priced out, and in step (a draft model that would first feed the prompt or the tokens
+        # of many plain rounds is not: exploring would pay that catch-up): settle may explore it
+        if best.k == 0 and best.source is not None and lag <= STEADY_CATCH_UP:
             self._declined[req.id] = Choice(1, best.source, best.key)
         else:
             self._declined.pop(req.id, None)
@@ -386,7 +388,7 @@ class AdaptiveK:
 
     def _explore(self, reqs: list, choices: list[Choice]) -> list[Choice]:
         """Every EXPLORE_EVERY-th round in a row that drafted nothing while some row could
-        have, those rows draft one token. A cost is measured only at widths that are chosen,
+        have cheaply (no catch-up to pay), those rows draft one token. A cost is measured only at widths that are chosen,
         so one slow measurement (a cold first round, another process on the core) would
         otherwise price a width out for good; a k = 1 round costs little and measures the
         narrowest drafting width again, from which the choice climbs if it pays."""
