@@ -109,9 +109,14 @@ def test_draft_prompt_prefilled_with_the_targets(target, plain_outputs):
     auto = DraftModelProposer(target, V, CTX)
     auto_calls = spied(auto)
     adaptive = Engine(target, None, auto, num_draft_tokens="auto", max_seq_len=CTX, vocab_size=V)
-    adaptive.add_request(ids[2], params)
-    adaptive.step()
-    assert auto_calls["prefill"] == []
+    first = adaptive.add_request(ids[2], params)
+    adaptive.step()  # nothing known yet: speculation is tried, its draft prompt prefilled
+    assert auto_calls["prefill"] == [[first.id]]
+    adaptive.abort(first)
+    adaptive.policy.drafting[1] = 0.0  # as if plain rounds had won at this load
+    adaptive.add_request(ids[1], params)
+    adaptive.step()  # then a draft prompt is left to catch-up, priced, maybe never paid
+    assert auto_calls["prefill"] == [[first.id]]
 
 
 def test_plain_batched_equals_alone(target, plain_outputs):

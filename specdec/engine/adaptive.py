@@ -67,6 +67,7 @@ STEADY_CATCH_UP = 2  # tokens a draft model feeds every round anyway (last accep
 CATCH_UP_HORIZON = 32  # a catch-up is spread over at most this many of the next tokens
 VERIFY_PRIOR_SLOPE = 0.05  # target cost per extra verified token, same units, until measured
 EXPLORE_EVERY = 32  # plain rounds in a row before a priced-out proposer drafts 1 token again
+EXPLORE_CATCH_UP = 64  # most catch-up tokens (all rows together) an exploring round may feed
 DRAFT_ROW_PRIOR_SLOPE = 0.3  # a draft step's cost per extra row, as a fraction, until measured
 
 
@@ -259,7 +260,8 @@ class AdaptiveK:
         # proposers that run no model (n-gram lookup): drafting costs ~nothing until measured
         self.free_sources: set[str] = set(free_sources)
         self.drafting: dict[int, float] = {}  # batch size -> decayed share of rounds with drafts
-        self._declined: dict[int, Choice] = {}  # request id -> the k = 1 round it was priced out of
+        self._declined: dict[int, tuple[Choice, int]] = {}  # request id -> (the k = 1 round it was
+        # priced out of, the catch-up tokens that round would feed first)
         self._quiet = 0  # rounds in a row that drafted nothing while some row could have
 
     def prefills_draft(self, batch_size: int) -> bool:
@@ -364,10 +366,8 @@ class AdaptiveK:
                 if rate > best_rate * (1 + 1e-9):
                     best, best_rate, lag = Choice(k, cand.source, cand.record), rate, cand.catch_up
         self.chosen[best.k] += 1
-        # priced out, and in step (a draft model that would first feed the prompt or the tokens
-        # of many plain rounds is not: exploring would pay that catch-up): settle may explore it
-        if best.k == 0 and best.source is not None and lag <= STEADY_CATCH_UP:
-            self._declined[req.id] = Choice(1, best.source, best.key)
+        if best.k == 0 and best.source is not None:  # priced out: settle may still explore it
+            self._declined[req.id] = (Choice(1, best.source, best.key), lag)
         else:
             self._declined.pop(req.id, None)
         return best if best.k else Choice(0)
@@ -388,21 +388,30 @@ class AdaptiveK:
 
     def _explore(self, reqs: list, choices: list[Choice]) -> list[Choice]:
         """Every EXPLORE_EVERY-th round in a row that drafted nothing while some row could
-        have cheaply (no catch-up to pay), those rows draft one token. A cost is measured only at widths that are chosen,
+        have, those rows draft one token, fewest catch-up tokens first, as long as their
+        catch-ups add up to at most EXPLORE_CATCH_UP tokens (a draft model that must first feed
+        a prompt, or a batch of rows each behind by a few dozen plain rounds, is not explored:
+        under load that catch-up cost more than exploring could win). A cost is measured only at widths that are chosen,
         so one slow measurement (a cold first round, another process on the core) would
         otherwise price a width out for good; a k = 1 round costs little and measures the
         narrowest drafting width again, from which the choice climbs if it pays."""
         if any(c.k for c in choices):
             self._quiet = 0
             return choices
-        declined = [self._declined.get(r.id) for r in reqs]
-        if not any(declined):
+        declined = [(self._declined[r.id][1], b) for b, r in enumerate(reqs) if r.id in self._declined]
+        if not declined:
             return choices
         self._quiet += 1
         if self._quiet < EXPLORE_EVERY:
             return choices
         self._quiet = 0
-        return [d or c for d, c in zip(declined, choices)]
+        out, budget = list(choices), EXPLORE_CATCH_UP
+        for lag, b in sorted(declined):
+            if lag > budget:
+                break
+            budget -= lag
+            out[b] = self._declined[reqs[b].id][0]
+        return out
 
     def _settle(self, reqs: list, choices: list[Choice], batch_size: int, kmax: int) -> list[Choice]:
         alphas = [self._alphas(r, c.source, c.k, c.key) if c.k else [] for r, c in zip(reqs, choices)]

@@ -83,6 +83,9 @@ class DraftModelProposer(ProposerBase):
 
     @torch.inference_mode()
     def propose(self, reqs, ks: list[int], only=None) -> Proposal:
+        live = [b for b, n in enumerate(ks) if n > 0]
+        if 0 < len(live) < len(reqs):  # rows asked for no drafts feed nothing, not even catch-up
+            return self._propose_rows(reqs, ks, live)
         B, k = len(reqs), max(ks)
         dev = self.model.device
         rows = rows_arg(reqs, dev)
@@ -111,6 +114,25 @@ class DraftModelProposer(ProposerBase):
             self.cache.set_length(r.row, L[b] + max(min(ks[b], k) - 1, 0) if k else L[b])
         num_draft = torch.tensor(ks, dtype=torch.long, device=dev)
         return Proposal(tokens=drafts, num_draft=num_draft, q=q_all, catch_up=T)
+
+    def _propose_rows(self, reqs, ks: list[int], live: list[int]) -> Proposal:
+        """Draft for the `live` rows only; the others get 0 drafts and keep their KV as it is
+        (a row that does not draft this round is not caught up: under load, most rows)."""
+        for b, r in enumerate(reqs):
+            if ks[b] == 0:
+                self._L.pop(r.row, None)  # (accept then leaves its cache alone)
+                self._last_k.pop(r.row, None)
+        sub = self.propose([reqs[b] for b in live], [ks[b] for b in live])
+        B, k = len(reqs), sub.tokens.shape[1]
+        ix = torch.tensor(live, device=sub.tokens.device)
+        tokens = torch.zeros(B, k, dtype=torch.long, device=sub.tokens.device)
+        num_draft = torch.zeros(B, dtype=torch.long, device=sub.tokens.device)
+        tokens[ix], num_draft[ix] = sub.tokens, sub.num_draft
+        q = None
+        if sub.q is not None:
+            q = torch.zeros(B, k, self.V, device=sub.q.device)
+            q[ix] = sub.q
+        return Proposal(tokens=tokens, num_draft=num_draft, q=q, catch_up=sub.catch_up)
 
     def _needs_q(self, reqs) -> bool:
         return self.draft_sampling == "probabilistic" and any(not r.params.greedy for r in reqs)
