@@ -348,12 +348,7 @@ class AdaptiveK:
         return self.choose_among(req, batch_size, limit, [Candidate(source, n)]).k
 
     def plan(self, req, batch_size: int, limit: int, peek, remaining: int) -> Choice:
-        """Price each part that could draft (the proposer's `peek`) and take the best. Where
-        the batch has settled on plain rounds at this size, rows are priced only on the round
-        before an exploring one (pricing every row every round cost ~10% of a 16-row round)."""
-        if (self.drafting.get(batch_size, 1.0) < self.SPECULATING and self._quiet + 1 < EXPLORE_EVERY
-                and req.id in self._declined):
-            return Choice(0)
+        """Price each part that could draft (the proposer's `peek`) and take the best."""
         cands = peek(min(limit, self.k_max)) if limit > 0 else []
         return self.choose_among(req, batch_size, limit, cands, remaining=remaining)
 
