@@ -52,15 +52,13 @@ it through the engine with adaptive k and its negative control).
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
+from specdec.engine.estimates import (DECAY, EMA, NOTHING_SEEN, Acceptance, CostCurve, expected_tokens,
+                                      measured_draft)
 from specdec.round import Candidate, Choice, Proposal
 
 PRIOR_ALPHA = 0.6  # prior acceptance per position before anything is observed
-PRIOR_STRENGTH = 2.0  # pseudo-observations behind the prior (and behind the pooled estimate)
-DECAY = 0.92  # per-round forgetting: ~12 rounds of memory, so regime changes are followed
-EMA = 0.25  # weight of a new cost observation
 DRAFT_PRIOR_C = 0.3  # draft cost per token, as a fraction of one target forward, until measured
 CATCH_UP_PRIOR_C = 0.05  # a draft model's cost per caught-up (prefilled) token, same units
 STEADY_CATCH_UP = 2  # tokens a draft model feeds every round anyway (last accepted + bonus)
@@ -69,97 +67,6 @@ VERIFY_PRIOR_SLOPE = 0.05  # target cost per extra verified token, same units, u
 EXPLORE_EVERY = 32  # plain rounds in a row before a priced-out proposer drafts 1 token again
 EXPLORE_CATCH_UP = 64  # most catch-up tokens (all rows together) an exploring round may feed
 DRAFT_ROW_PRIOR_SLOPE = 0.3  # a draft step's cost per extra row, as a fraction, until measured
-
-
-def expected_tokens(alphas: list[float], k: int) -> float:
-    """Committed tokens of a round with k drafts: accepted prefix + 1 recovered/bonus token."""
-    total, run = 1.0, 1.0
-    for i in range(k):
-        run *= alphas[i]
-        total += run
-    return total
-
-
-class CostCurve:
-    """Seconds per round as a function of an integer width, from measurements (EMA per width).
-
-    estimate(w) interpolates linearly between measured widths and extrapolates with the slope of
-    the two nearest measured ones (or `prior_slope` * the nearest value if only one is known)."""
-
-    def __init__(self, prior_slope: float):
-        self.prior_slope = prior_slope
-        self.seen: dict[int, float] = {}
-
-    def observe(self, width: int, seconds: float) -> None:
-        old = self.seen.get(width)
-        if old is not None:
-            seconds = min(seconds, 3 * old)  # one stall (GC, another process) is not a trend
-        self.seen[width] = seconds if old is None else (1 - EMA) * old + EMA * seconds
-
-    def estimate(self, width: int) -> float | None:
-        if not self.seen:
-            return None
-        if width in self.seen:
-            return self.seen[width]
-        ws = sorted(self.seen)
-        lo = [w for w in ws if w < width]
-        hi = [w for w in ws if w > width]
-        if lo and hi:
-            a, b = lo[-1], hi[0]
-            t = (width - a) / (b - a)
-            return self.seen[a] * (1 - t) + self.seen[b] * t
-        near = lo[-2:] if lo else hi[:2]
-        if len(near) == 2:
-            (a, b) = near
-            slope = max((self.seen[b] - self.seen[a]) / (b - a), 0.0)
-        else:
-            slope = self.prior_slope * self.seen[near[0]]
-        base = near[-1] if lo else near[0]
-        return max(self.seen[base] + slope * (width - base), 0.0)
-
-
-@dataclass
-class _Acceptance:
-    """Decayed counts per draft position: reached[i] (drafts 1..i-1 were accepted, i proposed)
-    and accepted[i]."""
-
-    reached: list[float] = field(default_factory=list)
-    accepted: list[float] = field(default_factory=list)
-
-    def decay(self) -> None:
-        self.reached = [x * DECAY for x in self.reached]
-        self.accepted = [x * DECAY for x in self.accepted]
-
-    def observe(self, num_draft: int, n_accepted: int) -> None:
-        reached = min(num_draft, n_accepted + 1)  # positions checked: accepted ones + first reject
-        while len(self.reached) < reached:
-            self.reached.append(0.0)
-            self.accepted.append(0.0)
-        for i in range(reached):
-            self.reached[i] += 1
-            self.accepted[i] += float(i < n_accepted)
-
-    def rate(self, prior: float, start: int = 0) -> float:
-        """Acceptance over positions start.. together, Beta-smoothed toward `prior`."""
-        return ((sum(self.accepted[start:]) + PRIOR_STRENGTH * prior)
-                / (sum(self.reached[start:]) + PRIOR_STRENGTH))
-
-    def alphas(self, k: int, prior: list[float]) -> list[float]:
-        out = []
-        for i in range(k):
-            r = self.reached[i] if i < len(self.reached) else 0.0
-            a = self.accepted[i] if i < len(self.accepted) else 0.0
-            out.append((a + PRIOR_STRENGTH * prior[i]) / (r + PRIOR_STRENGTH))
-        return out
-
-
-_NOTHING_SEEN = _Acceptance()  # read-only stand-in for a record with no rounds yet
-
-
-def _measured(step: CostCurve | None, k: int, rows: int) -> float | None:
-    """Measured seconds to draft k tokens for `rows` rows: k draft steps at the per-step cost
-    the curve (over rows) estimates; None before any measurement."""
-    return k * step.estimate(rows) if step is not None and step.seen else None
 
 
 class KPolicy(Protocol):
@@ -254,8 +161,8 @@ class AdaptiveK:
         self.sources: dict[int, dict[str, float]] = {}  # request id -> decayed rounds per proposer
         # Acceptance counts per proposer (key: its name; None: all proposers together, what a
         # choice without a known proposer uses): engine-wide pools seed each request's own.
-        self.pool: dict[str | None, _Acceptance] = {}
-        self.state: dict[int, dict[str | None, _Acceptance]] = {}  # request id -> its counts
+        self.pool: dict[str | None, Acceptance] = {}
+        self.state: dict[int, dict[str | None, Acceptance]] = {}  # request id -> its counts
         self.chosen = Counter()
         # proposers that run no model (n-gram lookup): drafting costs ~nothing until measured
         self.free_sources: set[str] = set(free_sources)
@@ -288,8 +195,8 @@ class AdaptiveK:
         key = key or source
         # a proposer not seen yet starts from PRIOR_ALPHA, not from the others' record (a
         # composite's useless 1-token n-gram matches must not condemn its draft model unseen)
-        pool = self.pool.get(key) or _NOTHING_SEEN
-        own = self.state[req.id].get(key) or _NOTHING_SEEN
+        pool = self.pool.get(key) or NOTHING_SEEN
+        own = self.state[req.id].get(key) or NOTHING_SEEN
         pool_all = pool.rate(PRIOR_ALPHA)
         # The first draft is the gamble; once it is accepted the next ones are a continuation
         # (an n-gram copy that has started goes on far more often than it starts), so
@@ -299,8 +206,8 @@ class AdaptiveK:
         # key's continuation is shrunk toward its source's (all its keys together), so a
         # 1-token match, rarely accepted and so rarely continued, still drafts long where the
         # request's other copies showed that continuations are accepted whole.
-        src_pool = self.pool.get(source) or _NOTHING_SEEN
-        src_own = self.state[req.id].get(source) or _NOTHING_SEEN
+        src_pool = self.pool.get(source) or NOTHING_SEEN
+        src_own = self.state[req.id].get(source) or NOTHING_SEEN
         tail = src_own.rate(src_pool.rate(PRIOR_ALPHA, start=1), start=1)
         if key != source:
             tail = own.rate(tail, start=1)
@@ -328,7 +235,7 @@ class AdaptiveK:
         for this request lately (a composite's n-gram rounds are nearly free, its draft-model
         rounds are not); before any round, the costliest curve measured."""
         def cost(curve, src=None):
-            est = _measured(curve, k, rows)
+            est = measured_draft(curve, k, rows)
             if est is not None:
                 return est
             return 0.0 if src in self.free_sources else DRAFT_PRIOR_C * t1 * k
@@ -467,8 +374,8 @@ class AdaptiveK:
             if source is not None:
                 shares[source] = shares.get(source, 0.0) + 1.0
             for rec in records:
-                st.setdefault(rec, _Acceptance()).observe(num_draft, n_accepted)
-                self.pool.setdefault(rec, _Acceptance()).observe(num_draft, n_accepted)
+                st.setdefault(rec, Acceptance()).observe(num_draft, n_accepted)
+                self.pool.setdefault(rec, Acceptance()).observe(num_draft, n_accepted)
 
     def observe_target(self, batch_size: int, width: int, seconds: float) -> None:
         """Once per round (so also where the pool forgets: per round, not per request)."""
@@ -486,7 +393,7 @@ class AdaptiveK:
 
     def draft_estimate(self, k: int, source: str | None, rows: int = 1) -> float | None:
         """Measured seconds to draft k tokens for `rows` rows (no catch-up) by `source`, or None."""
-        return _measured(self.draft.get(source), k, rows)
+        return measured_draft(self.draft.get(source), k, rows)
 
     def observe_draft(self, k: int, seconds: float, proposal: Proposal) -> None:
         """One proposing call at width k, all rows. A call in which one part drafted every row

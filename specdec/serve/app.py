@@ -162,7 +162,7 @@ def create_app(scheduler, tokenizer, model_name: str, context_length: int, vocab
                 scheduler.abort(job)
             return _error(429, str(e), "rate_limit_error")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        out = Output(rid, model_name, chat, tokenizer, jobs, [p for p, _, _ in planned], prompts)
+        out = Output(rid, model_name, chat, tokenizer, jobs, [p for p, _, _ in planned], prompts, body.stream)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(stream(out, q, include_usage), media_type="text/event-stream",
@@ -245,8 +245,9 @@ def create_app(scheduler, tokenizer, model_name: str, context_length: int, vocab
 class Output:
     """What has come back for one API request's jobs, and its OpenAI-shaped rendering."""
 
-    def __init__(self, rid, model, chat, tokenizer, jobs, prompt_of, prompts):
+    def __init__(self, rid, model, chat, tokenizer, jobs, prompt_of, prompts, streaming):
         self.id, self.model, self.chat, self.tok = rid, model, chat, tokenizer
+        self.streaming = streaming  # logprobs rendered per event; else once, in response()
         self.object = "chat.completion.chunk" if chat else "text_completion"
         self.created = int(time.time())
         self.jobs, self.prompt_of, self.prompts = jobs, prompt_of, prompts
@@ -269,7 +270,7 @@ class Output:
             self.tokens[i] += ev.token_ids
             if ev.logprobs is not None:
                 self.lps[i] += ev.logprobs
-                return self.render_logprobs(i, ev.logprobs)
+                return self.render_logprobs(i, ev.logprobs) if self.streaming else None
         elif ev.kind == "done":
             self.finish[i], self.done[i] = ev.finish_reason, True
         else:
@@ -320,7 +321,6 @@ class Output:
         for i in range(len(self.jobs)):
             lp = None
             if self.jobs[i].params.logprobs is not None:
-                self.offset[i] = 0
                 lp = self.render_logprobs(i, self.lps[i])
             if self.chat:
                 choices.append({"index": i, "message": {"role": "assistant", "content": self.text[i]},
