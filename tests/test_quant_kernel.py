@@ -155,7 +155,7 @@ def test_unpack_equals_gguf_on_real_rows():
 
 
 def isas() -> list[int]:
-    return [2] + ([512] if Q._ext is not None and Q._ext.best_isa() == 512 else [])
+    return list(Q._ext.isas()) if Q._ext is not None else [2]
 
 
 @settings(max_examples=40, deadline=None)
@@ -397,3 +397,52 @@ def test_bad_inputs():
     qw = Q.prepare_quant([random_blocks("Q8_0", 2, 64, 0)])
     with pytest.raises(ValueError, match="features"):
         K.linear(torch.zeros(1, 32), qw)
+
+
+def test_kernel_lists_the_isas_this_cpu_has():
+    """isas() is what the invariance tests sweep: AVX2 always, AVX-512 VNNI and AMX where the CPU
+    has them (read from /proc/cpuinfo here, independently of the kernel's own CPUID check)."""
+    if not have_kernel():
+        pytest.skip("no C++ kernel on this CPU")
+    with open("/proc/cpuinfo") as f:
+        flags = set(next(line for line in f if line.startswith("flags")).split(":", 1)[1].split())
+    vnni = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"} <= flags
+    amx = vnni and {"amx_tile", "amx_int8"} <= flags
+    assert Q._ext.isas() == [2] + [512] * vnni + [1024] * amx
+
+
+@settings(max_examples=36, deadline=None)
+@given(qtype=st.sampled_from(TYPES), m=st.integers(1, 512), n=st.integers(1, 40),
+       seed=st.integers(0, 2**16))
+def test_rows_bit_identical_at_every_width_and_isa(qtype, m, n, seed):
+    """Batch invariance across widths: row i of an M-row call (M = 1..512, as in a verify of a
+    few rows, a server batch of 80 or a 512-row prompt chunk) equals row i computed alone on the
+    narrow AVX2 routine, bit for bit, on every ISA this CPU has (AMX tiles from 16 rows, and
+    forced at any M; K = 2048 makes calls past 128 rows run in several row blocks).  Integer
+    sums are exact in any order and each row's fp32 epilogue is the same sequence, so equality,
+    not a tolerance.  Negative control: one row's input scaled by 1 + 2^-16 (its activation
+    scales move by ~128 ulp, its codes mostly not at all) must change that row and no other: a
+    comparison blind to changes that small, or a kernel mixing rows, would fail it.  (One ulp
+    alone can round away in the sum of a single output.)"""
+    if not have_kernel():
+        pytest.skip("no C++ kernel on this CPU")
+    k = 2048
+    qt = random_blocks(qtype, n, k, seed)
+    qw = Q.prepare_quant([qt])
+    g = torch.Generator().manual_seed(seed)
+    block_scale = torch.rand(m, k // 32, 1, generator=g).expand(m, k // 32, 32).reshape(m, k)
+    x = torch.randn(m, k, generator=g) * block_scale
+    call = lambda xx, isa, nt=2: Q._ext.qlinear(xx.contiguous(), qw.packed, list(qw.fids), [n], None, nt, isa)
+    y = call(x, 0)
+    for isa in isas():
+        assert torch.equal(call(x, isa), y), isa
+    rows = sorted({0, m - 1, *torch.randint(0, m, (6,), generator=g).tolist()})
+    for i in rows:
+        assert torch.equal(call(x[i:i + 1], 2, 1)[0], y[i]), i
+    i = rows[len(rows) // 2]
+    x2 = x.clone()
+    x2[i] *= 1 + 2.0**-16
+    y2 = call(x2, 0)
+    assert not torch.equal(y2[i], y[i]), "a 2^-16 change of a row's scale went unseen"
+    others = torch.arange(m) != i
+    assert torch.equal(y2[others], y[others]), "a change in one row moved another"

@@ -60,13 +60,18 @@
 #include <torch/extension.h>
 
 #include <immintrin.h>
+#include <cpuid.h>
 #include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -556,6 +561,161 @@ struct Rows {  // one record, R <= 8 rows
 }  // namespace avx512
 #pragma GCC pop_options
 
+// ============================ AMX int8 tiles: many rows per weight record ===
+// Where the CPU has AMX (Intel Sapphire Rapids and later), a call with many rows runs each
+// panel through int8 tiles: a record's codes are decoded once into the tile B layout (one
+// 64-byte row per k-step = 16 outputs x 4 k, the layout AVX-512's decode already gives) and
+// serve every 16-row tile of the activations.  One tile product per (16 rows, sub-block)
+// gives the sub-block's exact int32 sums I for 16 rows x 16 outputs (Q8_0: signed x signed,
+// so no +128 offset; the rest: signed activations x unsigned codes); from there each row runs
+// the AVX-512 routine's own integer steps and fp32 epilogue in the same order (finish_row),
+// so a row's bits equal the narrow paths' whatever M is.
+//   Cost per 16 rows and sub-block: 1 tile product + a 1 KiB tile store + ~4 vector ops per
+// row, against 2 instructions per row and k-step on VNNI (a 32-k sub-block: 256 vs ~70).
+//   Tiles (palette 1): 0, 1: A, 16 rows x sb bytes; 2, 3: B, sb / 4 rows x 64 bytes; 4-7: C,
+// 16 rows x 16 int32.  A and B alternate between two tiles and C rotates over four, so four
+// products are in flight (the tile registers are not renamed).
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,amx-tile,amx-int8")
+namespace amx {
+
+constexpr int TM = 16;  // rows per tile
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+thread_local int configured_sb = 0;  // the sub-block width this thread's tiles are set for (0: none)
+
+void configure(int sb) {
+  if (configured_sb == sb) return;
+  TileConfig c;
+  for (int t : {0, 1}) c.rows[t] = TM, c.colsb[t] = static_cast<uint16_t>(sb);
+  for (int t : {2, 3}) c.rows[t] = static_cast<uint8_t>(sb / 4), c.colsb[t] = 64;
+  for (int t = 4; t < 8; ++t) c.rows[t] = TM, c.colsb[t] = 64;
+  // GCC 12's ldtilecfg builtin does not count as reading c: without this barrier the stores
+  // above are dropped as dead, the all-zero config leaves every tile unconfigured and the
+  // first tile instruction faults (SIGILL) -- the fault llama.cpp's AMX build shows here.
+  asm volatile("" : : "m"(c) : "memory");
+  _tile_loadconfig(&c);
+  configured_sb = sb;
+}
+
+void release() {  // at the end of each parallel region that used tiles
+  if (configured_sb != 0) {
+    _tile_release();
+    configured_sb = 0;
+  }
+}
+
+// Row m's share of one record from its sub-block sums ib[j * js] (16 int32 each): the integer
+// steps and the fp32 epilogue of avx512::Rows::run, operation for operation.
+template <int F>
+inline void finish_row(const int32_t* ib, int64_t js, const Rec<F, true>& rs, const Act& a, int64_t m,
+                       int64_t k0, float* accrow) {
+  constexpr int sb = Traits<F>::sb, nsub = Traits<F>::rk / sb;
+  const int64_t K = a.K, n32 = K / 32;
+  __m512 f = _mm512_loadu_ps(accrow);
+  if constexpr (!kquant<F>()) {
+    static_assert(nsub == 1, "32-k formats: one sub-block per record");
+    const __m512i cj = _mm512_load_si512(ib);
+    const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(cj), _mm512_set1_ps(a.dx[m * n32 + k0 / 32]));
+    f = _mm512_fmadd_ps(_mm512_load_ps(rs.ws), t, f);
+    if constexpr (Traits<F>::has_m)
+      f = _mm512_fmadd_ps(_mm512_load_ps(rs.wm), _mm512_set1_ps(a.dxs32[m * n32 + k0 / 32]), f);
+  } else {
+    __m512i c = _mm512_setzero_si512(), c32 = _mm512_setzero_si512();
+#pragma GCC unroll 16
+    for (int j = 0; j < nsub; ++j) {
+      const __m512i p = _mm512_mullo_epi32(_mm512_load_si512(ib + j * js), _mm512_load_si512(rs.sc + j * NR));
+      c32 = F == Q6_K && j % 2 ? _mm512_add_epi32(c32, p) : p;
+      if (F == Q4_K || j % 2 == 1) {
+        const int64_t b32 = (k0 + j * sb) / 32;
+        __m512i v = c32;
+        if constexpr (F == Q6_K)
+          v = _mm512_sub_epi32(v, _mm512_slli_epi32(_mm512_madd_epi16(_mm512_load_si512(rs.mp + (j / 2) * NR),
+                                                                      _mm512_set1_epi32(a.sp16[m * n32 + b32])), 5));
+        v = _mm512_sllv_epi32(v, _mm512_set1_epi32(a.sh[m * n32 + b32]));
+        c = j == (F == Q6_K ? 1 : 0) ? v : _mm512_add_epi32(c, v);
+      }
+    }
+    const __m512 dx = _mm512_set1_ps(a.dx8[m * (K / 256) + k0 / 256]);
+    f = _mm512_fmadd_ps(_mm512_load_ps(rs.ws), _mm512_mul_ps(_mm512_cvtepi32_ps(c), dx), f);
+    if constexpr (F == Q4_K) {
+      __m512i cm = _mm512_setzero_si512();
+      for (int i = 0; i < nsub / 2; ++i)
+        cm = _mm512_add_epi32(cm, _mm512_madd_epi16(_mm512_load_si512(rs.mp + i * NR),
+                                                    _mm512_set1_epi32(a.tp[m * (K / 64) + k0 / 64 + i])));
+      f = _mm512_fmadd_ps(_mm512_load_ps(rs.wm), _mm512_mul_ps(_mm512_cvtepi32_ps(cm), dx), f);
+    }
+  }
+  _mm512_storeu_ps(accrow, f);
+}
+
+// One panel (16 outputs) for all M rows, as ::panel; the activations hold whole 16-row tiles
+// (qlinear pads xq / xq8 to a multiple of 16 rows).
+template <int F>
+void panel(const uint8_t* p, int64_t nrec, const Act& a, int64_t M, float* acc) {
+  constexpr int rb = rec_bytes<F>(), rk = Traits<F>::rk, sb = Traits<F>::sb, nsub = rk / sb;
+  constexpr int G = nsub >= 4 ? 1 : 4;  // row tiles per pass: at least 4 tile products in flight
+  configure(sb);
+  std::memset(acc, 0, sizeof(float) * M * NR);
+  Rec<F, true> rs;
+  alignas(64) uint8_t codes[rk / 4 * 64];
+  alignas(64) int32_t ib[G * nsub * TM * NR];
+  const int64_t K = a.K, tiles = (M + TM - 1) / TM;
+  const int8_t* xq = kquant<F>() ? a.xq8 : a.xq;
+  for (int64_t rec = 0; rec < nrec; ++rec) {
+    const uint8_t* s = p + rec * rb;
+    for (int off = 0; off < rb; off += 64) _mm_prefetch(reinterpret_cast<const char*>(s + rb + off), _MM_HINT_T0);
+    rs.load(s);
+    const uint8_t* lo = s + Traits<F>::sbytes;
+    const uint8_t* bsrc = lo;  // Q8_0: the low plane is already the B layout (signed codes)
+    if constexpr (F != Q8_0) {
+      const uint8_t* hi = lo + lo_bytes<F>();
+#pragma GCC unroll 8
+      for (int t = 0; t < rk / 4; ++t) _mm512_store_si512(codes + 64 * t, avx512::decode<F>(lo, hi, t));
+      bsrc = codes;
+    }
+    const int64_t k0 = rec * rk;
+    for (int64_t t0 = 0; t0 < tiles; t0 += G) {
+      const int g = static_cast<int>(std::min<int64_t>(G, tiles - t0)), jobs = g * nsub;
+      // job i: row tile t0 + i / nsub, sub-block i % nsub; its sums go to ib + i * TM * NR
+      auto xp = [&](int i) { return xq + (t0 + i / nsub) * TM * K + k0 + (i % nsub) * sb; };
+      auto bp = [&](int i) { return bsrc + (i % nsub) * (sb / 4) * 64; };
+#define SPECDEC_AMX_JOB(TA, TB, TC, I)                                       \
+  do {                                                                       \
+    _tile_zero(TC);                                                          \
+    _tile_loadd(TA, xp(I), K);                                               \
+    _tile_loadd(TB, bp(I), 64);                                              \
+    if constexpr (F == Q8_0) _tile_dpbssd(TC, TA, TB); else _tile_dpbsud(TC, TA, TB); \
+    _tile_stored(TC, ib + (I) * TM * NR, 64);                                \
+  } while (0)
+      int i = 0;
+      for (; i + 4 <= jobs; i += 4) {
+        SPECDEC_AMX_JOB(0, 2, 4, i);
+        SPECDEC_AMX_JOB(1, 3, 5, i + 1);
+        SPECDEC_AMX_JOB(0, 2, 6, i + 2);
+        SPECDEC_AMX_JOB(1, 3, 7, i + 3);
+      }
+      for (; i < jobs; ++i) SPECDEC_AMX_JOB(0, 2, 4, i);
+#undef SPECDEC_AMX_JOB
+      for (int gi = 0; gi < g; ++gi)
+        for (int r = 0; r < TM; ++r) {
+          const int64_t m = (t0 + gi) * TM + r;
+          if (m >= M) break;
+          finish_row<F>(ib + (gi * nsub * TM + r) * NR, TM * NR, rs, a, m, k0, acc + m * NR);
+        }
+    }
+  }
+}
+
+}  // namespace amx
+#pragma GCC pop_options
+
 
 // ============================ Panels: one routine over a panel's records ====
 // One panel (16 outputs) for all M rows: acc [M][16] = the panel's sums.
@@ -602,20 +762,36 @@ using PanelFn = void (*)(const uint8_t*, int64_t, const Act&, int64_t, float*);
 
 constexpr int kMrAvx2 = 5, kMrAvx512 = 8;  // rows per group (register budget of each ISA)
 
-template <int F>
-PanelFn panel_for(bool wide) {
-  return wide ? &panel<F, avx512::Rows, kMrAvx512> : &panel<F, Avx2Rows, kMrAvx2>;
+// The ISAs a call can run on (the isa argument): 2 AVX2, 512 AVX-512 VNNI, 1024 AMX int8 tiles.
+constexpr int64_t kAvx2 = 2, kAvx512 = 512, kAmx = 1024;
+// Rows from which isa = 0 (auto) runs a format on AMX where the CPU has it (the same bits
+// either way).  Below them AVX-512 VNNI is as fast or faster: AMX decodes a record into tile
+// layout and stores a 1 KiB tile per sub-block whatever the rows, and Q6_K's 16-k sub-blocks
+// use a quarter of a tile product's depth (measured on the Intel AMX host, 2 threads, Qwen
+// 1.5B / SmolLM2 shapes, kernel A/B in one process: docs/bench/prefill_amx.txt).
+int64_t amx_min_rows(int64_t fmt) {
+  switch (fmt) {
+    case Q6_K: return 64;
+    case Q4_0: case Q4_1: return 32;
+    default: return 16;
+  }
 }
 
-PanelFn panel_fn(int64_t fmt, bool wide) {
+template <int F>
+PanelFn panel_for(int64_t isa) {
+  if (isa == kAmx) return &amx::panel<F>;
+  return isa == kAvx512 ? &panel<F, avx512::Rows, kMrAvx512> : &panel<F, Avx2Rows, kMrAvx2>;
+}
+
+PanelFn panel_fn(int64_t fmt, int64_t isa) {
   switch (fmt) {
-    case Q8_0: return panel_for<Q8_0>(wide);
-    case Q4_0: return panel_for<Q4_0>(wide);
-    case Q4_1: return panel_for<Q4_1>(wide);
-    case Q5_0: return panel_for<Q5_0>(wide);
-    case Q4_K: return panel_for<Q4_K>(wide);
-    case Q6_K: return panel_for<Q6_K>(wide);
-    case Q6_K2: TORCH_CHECK(!wide, "Q6_K2 has no AVX-512 routine"); return &panel<Q6_K2, Avx2Rows, kMrAvx2>;
+    case Q8_0: return panel_for<Q8_0>(isa);
+    case Q4_0: return panel_for<Q4_0>(isa);
+    case Q4_1: return panel_for<Q4_1>(isa);
+    case Q5_0: return panel_for<Q5_0>(isa);
+    case Q4_K: return panel_for<Q4_K>(isa);
+    case Q6_K: return panel_for<Q6_K>(isa);
+    case Q6_K2: TORCH_CHECK(isa == kAvx2, "Q6_K2 has only an AVX2 routine"); return &panel<Q6_K2, Avx2Rows, kMrAvx2>;
     default: TORCH_CHECK(false, "unknown quant format ", fmt);
   }
 }
@@ -628,8 +804,31 @@ bool cpu_has_avx512_vnni() {
   return ok;
 }
 
-// Instruction set used for isa=0 (auto): 512 (AVX-512 VNNI) or 2 (AVX2).
-int64_t best_isa() { return cpu_has_avx512_vnni() ? 512 : 2; }
+// AMX int8 tiles: the CPU has them (CPUID.7.0:EDX bits 24, 25) and the kernel grants this
+// process the tile state (Linux asks for it once per process: arch_prctl ARCH_REQ_XCOMP_PERM
+// for XFEATURE_XTILEDATA; without it the first tile instruction faults).
+bool cpu_has_amx() {
+  static const bool ok = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!cpu_has_avx512_vnni() || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!((d >> 24) & 1u) || !((d >> 25) & 1u)) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+  }();
+  return ok;
+}
+
+// The fastest ISA this CPU has: 1024 (AMX, for calls of kAmxMinRows rows and more; AVX-512
+// VNNI below), 512 (AVX-512 VNNI) or 2 (AVX2).
+int64_t best_isa() { return cpu_has_amx() ? kAmx : cpu_has_avx512_vnni() ? kAvx512 : kAvx2; }
+
+// Every ISA the kernel can run here (tests compare them all).
+std::vector<int64_t> isas() {
+  std::vector<int64_t> v{kAvx2};
+  if (cpu_has_avx512_vnni()) v.push_back(kAvx512);
+  if (cpu_has_amx()) v.push_back(kAmx);
+  return v;
+}
 
 int64_t record_bytes(int64_t fmt) {
   switch (fmt) {
@@ -727,6 +926,18 @@ void quantise_rows(const float* x, int64_t K, int64_t u0, int64_t u1, int8_t* xq
 }
 
 // ============================ Entry point: qlinear (threads, chunks) ========
+// Rows per pass over the weights.  Every panel reads all of a pass's int8 activations, so a
+// pass's rows are kept to what stays in L2 beside the weights (~256 KiB of int8 at most,
+// whole 16-row tiles, at least 64 rows): past that each panel streams the activations from L3.
+int64_t row_block(int64_t M, int64_t K) {
+  static const int64_t budget = [] {
+    const char* e = std::getenv("SPECDEC_ROW_BLOCK_BYTES");
+    return e != nullptr ? std::max<int64_t>(1, std::atoll(e)) : int64_t{1} << 18;
+  }();
+  const int64_t mb = std::max<int64_t>(64, budget / K / 16 * 16);
+  return std::min(M, mb);
+}
+
 // out[..., sum(ns)] = x[..., K] @ [W_0; W_1; ...]^T (+ bias): the segments are
 // row blocks of one fused weight (e.g. q, k, v), each in its own format.
 torch::Tensor qlinear(const torch::Tensor& x_in, const std::vector<torch::Tensor>& packed,
@@ -738,11 +949,18 @@ torch::Tensor qlinear(const torch::Tensor& x_in, const std::vector<torch::Tensor
   TORCH_CHECK(K > 0 && K % 32 == 0, "K must be a positive multiple of 32, got ", K);
   TORCH_CHECK(packed.size() == fmts.size() && packed.size() == ns.size() && !packed.empty(),
               "one format and size per segment");
-  if (isa == 0) isa = best_isa();
-  TORCH_CHECK(isa == 2 || (isa == 512 && cpu_has_avx512_vnni()),
-              "isa must be 0 (auto), 2 (AVX2) or 512 (AVX-512 VNNI, if the CPU has it)");
+  const int64_t M = x_in.numel() / K;
+  TORCH_CHECK(isa == 0 || isa == kAvx2 || (isa == kAvx512 && cpu_has_avx512_vnni()) || (isa == kAmx && cpu_has_amx()),
+              "isa must be 0 (auto), 2 (AVX2), 512 (AVX-512 VNNI) or 1024 (AMX), one the CPU has");
+  // auto: each segment its fastest ISA for M rows (AMX or the call's vector ISA)
+  const bool auto_isa = isa == 0;
+  if (auto_isa) isa = cpu_has_avx512_vnni() ? kAvx512 : kAvx2;
   // Q6_K2 records have only an AVX2 routine: a call holding one runs on AVX2 (the same bits)
-  if (std::find(fmts.begin(), fmts.end(), int64_t{Q6_K2}) != fmts.end()) isa = 2;
+  if (std::find(fmts.begin(), fmts.end(), int64_t{Q6_K2}) != fmts.end()) isa = kAvx2;
+  std::vector<int64_t> seg_isa;
+  for (int64_t f : fmts)
+    seg_isa.push_back(auto_isa && isa == kAvx512 && cpu_has_amx() && M >= amx_min_rows(f) ? kAmx : isa);
+  const bool tiles = std::find(seg_isa.begin(), seg_isa.end(), kAmx) != seg_isa.end();
   std::vector<PanelFn> fns;
   std::vector<int64_t> nrec, off{0}, pstart{0};
   for (size_t i = 0; i < packed.size(); ++i) {
@@ -754,14 +972,13 @@ torch::Tensor qlinear(const torch::Tensor& x_in, const std::vector<torch::Tensor
                     t.size(0) == P && t.size(1) == nr && t.size(2) == record_bytes(fmts[i]),
                 "segment ", i, ": packed weight must be uint8 [", P, ", ", nr, ", ",
                 record_bytes(fmts[i]), "]");
-    fns.push_back(panel_fn(fmts[i], isa == 512));
+    fns.push_back(panel_fn(fmts[i], seg_isa[i]));
     nrec.push_back(nr);
     off.push_back(off.back() + ns[i]);
     pstart.push_back(pstart.back() + P);
   }
   const int64_t N = off.back(), panels = pstart.back();
   const torch::Tensor x = x_in.contiguous();
-  const int64_t M = x.numel() / K;
   const float* bp = nullptr;
   torch::Tensor b;
   if (bias.has_value() && bias->defined()) {
@@ -775,7 +992,9 @@ torch::Tensor qlinear(const torch::Tensor& x_in, const std::vector<torch::Tensor
   if (M == 0) return out;
   bool need32 = false, need256 = false;
   for (int64_t f : fmts) (record_k(f) == 256 ? need256 : need32) = true;
-  std::vector<int8_t> xq(need32 ? M * K : 0), xq8(need256 ? M * K : 0);
+  // AMX loads whole 16-row tiles: the int8 rows are padded to a multiple of 16 (zeros, unused)
+  const int64_t Mp = tiles ? (M + amx::TM - 1) / amx::TM * amx::TM : M;
+  std::vector<int8_t> xq(need32 ? Mp * K : 0), xq8(need256 ? Mp * K : 0);
   const int64_t n32 = M * K / 32;
   std::vector<int32_t> s32(need32 ? n32 : 0), sh(need256 ? n32 : 0), sp16(need256 ? n32 : 0), tp(need256 ? n32 / 2 : 0), cq(need256 ? 2 * n32 : 0);
   std::vector<float> dx(need32 ? n32 : 0), dxs32(need32 ? n32 : 0), dx8(need256 ? M * K / 256 : 0);
@@ -793,11 +1012,22 @@ torch::Tensor qlinear(const torch::Tensor& x_in, const std::vector<torch::Tensor
                          sh.data(), sp16.data(), tp.data(), cq.data());
     }
   };
-  const int64_t MR = isa == 512 ? kMrAvx512 : kMrAvx2, ng = (M + MR - 1) / MR;
-  std::vector<int64_t> grp(ng + 1);
-  for (int64_t g = 0; g <= ng; ++g) grp[g] = g * M / ng;
-  const Act a{K, xq.data(), s32.data(), dx.data(), dxs32.data(), xq8.data(), dx8.data(), sh.data(), sp16.data(), tp.data(), cq.data(),
-              grp.data(), ng};
+  // Row blocks of MB rows, each a pass over all panels (see row_block); per block, groups of <= MR
+  // rows for the narrow routines.  Neither the blocks nor the groups change a row's bits.
+  const int64_t MB = row_block(M, K), nblk = (M + MB - 1) / MB;
+  const int64_t MR = isa == kAvx2 ? kMrAvx2 : kMrAvx512;
+  std::vector<std::vector<int64_t>> grps(nblk);
+  std::vector<Act> acts;
+  auto at = [](auto* p, int64_t o) { return p == nullptr ? p : p + o; };
+  for (int64_t bi = 0; bi < nblk; ++bi) {
+    const int64_t m0 = bi * MB, mb = std::min(MB, M - m0), ng = (mb + MR - 1) / MR;
+    auto& grp = grps[bi];
+    for (int64_t g = 0; g <= ng; ++g) grp.push_back(g * mb / ng);
+    acts.push_back(Act{K, at(xq.data(), m0 * K), at(s32.data(), m0 * (K / 32)), at(dx.data(), m0 * (K / 32)),
+                       at(dxs32.data(), m0 * (K / 32)), at(xq8.data(), m0 * K), at(dx8.data(), m0 * (K / 256)),
+                       at(sh.data(), m0 * (K / 32)), at(sp16.data(), m0 * (K / 32)), at(tp.data(), m0 * (K / 64)),
+                       at(cq.data(), m0 * (K / 16)), grp.data(), ng});
+  }
   float* op = out.data_ptr<float>();
   const int nt = static_cast<int>(std::max<int64_t>(1, nthreads));
   int64_t bytes = 0;
@@ -817,26 +1047,28 @@ torch::Tensor qlinear(const torch::Tensor& x_in, const std::vector<torch::Tensor
   // us), then a barrier; below that the first thread does them alone before the region.
   const bool par_q = nt > 1 && M * K >= 8192;
   if (!par_q) quantise(0, 1);
-  std::atomic<int64_t> next{0};
+  std::unique_ptr<std::atomic<int64_t>[]> next(new std::atomic<int64_t>[nblk]);
+  for (int64_t bi = 0; bi < nblk; ++bi) next[bi] = 0;
 #pragma omp parallel num_threads(nt)
   {
     if (par_q) {
       quantise(omp_get_thread_num(), omp_get_num_threads());
 #pragma omp barrier
     }
-    std::vector<float> acc(M * NR);
+    std::vector<float> acc(std::min(M, MB) * NR);
     size_t seg = 0;
+    int64_t bi = 0;  // the row block the loops below work on
     auto one = [&](int64_t gp) {
       while (gp >= pstart[seg + 1]) ++seg;
       while (gp < pstart[seg]) --seg;
-      const int64_t p = gp - pstart[seg];
+      const int64_t p = gp - pstart[seg], m0 = bi * MB, mb = std::min(MB, M - m0);
       const auto* base = packed[seg].data_ptr<uint8_t>();
-      fns[seg](base + p * nrec[seg] * record_bytes(fmts[seg]), nrec[seg], a, M, acc.data());
+      fns[seg](base + p * nrec[seg] * record_bytes(fmts[seg]), nrec[seg], acts[bi], mb, acc.data());
       const int64_t n0 = off[seg] + p * NR;
       const int nv = static_cast<int>(std::min<int64_t>(NR, off[seg + 1] - n0));
-      for (int64_t m = 0; m < M; ++m) {
+      for (int64_t m = 0; m < mb; ++m) {
         const float* s = acc.data() + m * NR;
-        float* o = op + m * N + n0;
+        float* o = op + (m0 + m) * N + n0;
         if (bp) {
           for (int j = 0; j < nv; ++j) o[j] = s[j] + bp[n0 + j];
         } else {
@@ -844,19 +1076,23 @@ torch::Tensor qlinear(const torch::Tensor& x_in, const std::vector<torch::Tensor
         }
       }
     };
-    if (dyn) {
-      const int64_t div = 4 * static_cast<int64_t>(omp_get_num_threads());
-      int64_t p0 = next.load(std::memory_order_relaxed);
-      while (p0 < panels) {
-        const int64_t c = std::max<int64_t>(1, (panels - p0) / div);
-        if (!next.compare_exchange_weak(p0, p0 + c, std::memory_order_relaxed)) continue;  // p0 reloaded
-        for (int64_t gp = p0; gp < p0 + c; ++gp) one(gp);  // c <= panels - p0
-        p0 = next.load(std::memory_order_relaxed);
-      }
-    } else {
+    for (bi = 0; bi < nblk; ++bi) {  // a thread done with its share of a block starts the next
+      if (dyn) {
+        const int64_t div = 4 * static_cast<int64_t>(omp_get_num_threads());
+        std::atomic<int64_t>& nx = next[bi];
+        int64_t p0 = nx.load(std::memory_order_relaxed);
+        while (p0 < panels) {
+          const int64_t c = std::max<int64_t>(1, (panels - p0) / div);
+          if (!nx.compare_exchange_weak(p0, p0 + c, std::memory_order_relaxed)) continue;  // p0 reloaded
+          for (int64_t gp = p0; gp < p0 + c; ++gp) one(gp);  // c <= panels - p0
+          p0 = nx.load(std::memory_order_relaxed);
+        }
+      } else {
 #pragma omp for schedule(static)
-      for (int64_t gp = 0; gp < panels; ++gp) one(gp);
+        for (int64_t gp = 0; gp < panels; ++gp) one(gp);
+      }
     }
+    if (tiles) amx::release();
   }
   return out;
 }
@@ -871,6 +1107,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear", &qlinear, "out = x @ [W_0; W_1; ...]^T (+ bias), W quantised and repacked",
         py::arg("x"), py::arg("packed"), py::arg("fmts"), py::arg("ns"), py::arg("bias"),
         py::arg("nthreads"), py::arg("isa") = 0);
-  m.def("best_isa", &best_isa, "ISA used for isa=0: 512 (AVX-512 VNNI) or 2 (AVX2)");
+  m.def("best_isa", &best_isa, "the fastest ISA here: 1024 (AMX, for many rows), 512 (AVX-512 VNNI) or 2 (AVX2)");
+  m.def("isas", &isas, "every ISA the kernel can run on this CPU");
   m.def("layout", &layout, "(k per record, bytes per panel record) of a format");
 }

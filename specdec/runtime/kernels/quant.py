@@ -355,6 +355,11 @@ def _qext():
     return _ext
 
 
+# SPECDEC_KERNEL=avx2|avx512|amx pins the kernel's ISA (benchmarks, A/B runs); unset: the
+# fastest this CPU has for the call's rows.
+_ISA = {"avx2": 2, "avx512": 512, "amx": 1024}
+
+
 def linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y[..., N] = x[..., K] @ W^T (+ bias) with int8-quantised activation blocks."""
     if x.shape[-1] != w.k:
@@ -366,7 +371,7 @@ def linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) ->
             object.__setattr__(w, "_args", (list(w.fids),
                                             [s[1] for s in w.segments]))
         fmts, ns = w.__dict__["_args"]
-        return _ext.qlinear(x, w.packed, fmts, ns, bias, torch.get_num_threads(), 2 if mode == "avx2" else 0)
+        return _ext.qlinear(x, w.packed, fmts, ns, bias, torch.get_num_threads(), _ISA.get(mode, 0))
     dense = w.dense.to(x.device, x.dtype)
     blocks = [activation_block(qt) for qt, _ in w.segments]
     if len(set(blocks)) == 1:
