@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 import torch
 from rich.progress import Progress
@@ -120,14 +121,24 @@ def cmd_generate(a) -> int:
     progress = (lambda s: print(s, file=sys.stderr, flush=True))
     llm = LLM(a.model, speculative_config=spec, dtype=a.dtype, device=a.device,
               max_model_len=a.max_model_len, max_batch=1, progress=progress)
-    on_text = None if a.json else (lambda _id, delta: print(delta, end="", flush=True))
+    first: list[float] = []  # when the first text arrived (time to first token)
+
+    def on_text(_id, delta):
+        if not first:
+            first.append(time.perf_counter())
+        if not a.json:
+            print(delta, end="", flush=True)
+    t0 = time.perf_counter()
     out = llm.generate([a.prompt], params, raw=a.raw, on_text=on_text)[0]
-    n = len(out.token_ids)
+    ttft = (first[0] if first else time.perf_counter()) - t0
+    n, n_prompt = len(out.token_ids), len(out.prompt_token_ids)
     if a.json:
         print(json.dumps({
             "text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
             "usage": {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": n},
-            "timing": {"load_s": llm.load_s, "prefill_s": out.prefill_s, "decode_s": out.decode_s,
+            "timing": {"load_s": llm.load_s, "prefill_s": out.prefill_s, "ttft_s": ttft,
+                       "prompt_tokens_per_s": n_prompt / out.prefill_s if out.prefill_s > 0 else 0.0,
+                       "decode_s": out.decode_s,
                        "decode_tokens_per_s": n / out.decode_s if out.decode_s > 0 else 0.0},
             "stats": out.stats,
         }))
@@ -135,6 +146,8 @@ def cmd_generate(a) -> int:
         print()
         if a.stats:
             print(json.dumps(out.stats), file=sys.stderr)
+            print(f"[prompt {n_prompt} tokens in {out.prefill_s:.3f} s ({n_prompt / max(out.prefill_s, 1e-9):.0f} tok/s), "
+                  f"time to first token {ttft:.3f} s, load {llm.load_s:.1f} s]", file=sys.stderr)
         print(f"[{n} tokens, {n / max(out.decode_s, 1e-9):.1f} tok/s, finish: {out.finish_reason}]",
               file=sys.stderr)
     return 0

@@ -9,7 +9,9 @@ configuration back to back) so machine noise hits all alike; one warm-up run eac
 
 Decode tokens/s per run: ours = emitted tokens / decode time (prefill excluded, engine clocks);
 transformers = (n - 1) / (t(n) - t(1)), t(m) the same `generate` call for m new tokens, so its
-prefill (target and draft) is excluded too. Reported: medians over runs; ratios are medians of
+prefill (target and draft) is excluded too. "prompt s": the time to first token's share that
+grows with the prompt, the target's prompt processing (ours; the first decode step follows it)
+or transformers' whole 1-token `generate`. Reported: medians over runs; ratios are medians of
 per-run ratios against the baseline run on the same prompt and repeat. Results go to DIR as
 results.json and three PNG plots; the terminal gets a table and, last, one JSON line.
 """
@@ -56,6 +58,8 @@ class Run:
     seconds: float
     output: list[int]
     stats: SpecStats | None = None
+    prompt_s: float = 0.0  # the target's prompt processing (ours) or a 1-token generate (transformers)
+    prompt_tokens: int = 0
 
     @property
     def tok_s(self) -> float:
@@ -73,7 +77,7 @@ class Ours:
         r = self.engine.generate([ids], params)[0]
         # the draft model's prompt prefill (done with the target's at a fixed k) is charged to
         # decoding, as transformers' assisted generation pays it in its first step
-        return len(r.output), r.decode_time + r.draft_prefill_time, r.output, r.stats
+        return len(r.output), r.decode_time + r.draft_prefill_time, r.output, r.stats, r.prefill_time
 
 
 class Transformers:
@@ -96,7 +100,7 @@ class Transformers:
         x = torch.tensor([ids])
         t1, _ = self._generate(x, params, 1)
         tn, out = self._generate(x, params, params.max_tokens)
-        return len(out) - 1, max(tn - t1, 1e-9), out, None
+        return len(out) - 1, max(tn - t1, 1e-9), out, None, t1
 
 
 def load_transformers(path: Path):
@@ -145,8 +149,8 @@ def run_bench(models: Models, s: BenchSettings, configs: list, progress=None) ->
     for rep in range(s.repeats):
         for i, x in enumerate(ids):
             for c in configs:
-                n, sec, out, stats = c.run(x, params)
-                runs.append(Run(c.name, i, rep, n, sec, out, stats))
+                n, sec, out, stats, prompt_s = c.run(x, params)
+                runs.append(Run(c.name, i, rep, n, sec, out, stats, prompt_s, len(x)))
                 if progress is not None:
                     progress(f"{c.name}, prompt {i + 1}/{len(ids)}, repeat {rep + 1}: {runs[-1].tok_s:.2f} tok/s")
     return runs
@@ -168,6 +172,8 @@ def summarise(runs: list[Run], configs: list, params: SamplingParams) -> dict:
         row = {"config": c.name, "engine": c.kind, "k": c.k,
                "tok_s": statistics.median(r.tok_s for r in mine),
                "tokens": sum(r.tokens for r in mine), "seconds": sum(r.seconds for r in mine),
+               "prompt_s": statistics.median(r.prompt_s for r in mine),
+               "prompt_tokens": statistics.median(r.prompt_tokens for r in mine),
                "vs_plain": _median_ratio(runs, c.name, PLAIN),
                "vs_transformers_plain": _median_ratio(runs, c.name, HF_PLAIN) if has_hf else None}
         if c.kind == "specdec" and c.name != PLAIN:
@@ -202,14 +208,16 @@ def print_table(summary: dict, title: str) -> None:
     from rich.table import Table
 
     t = Table(title=title)
-    for col in ("config", "tok/s", "vs plain", "vs tf plain", "accept", "mean len", "c", "predicted"):
+    for col in ("config", "tok/s", "vs plain", "vs tf plain", "accept", "mean len", "c", "predicted",
+                "prompt s"):
         t.add_column(col, justify="left" if col == "config" else "right")
     for r in summary["rows"]:
         t.add_row(r["config"], _fmt(r["tok_s"], ".2f"), _fmt(r["vs_plain"], ".2f") + "x",
                   _fmt(r["vs_transformers_plain"], ".2f") + ("x" if r["vs_transformers_plain"] else ""),
                   _fmt(r.get("acceptance_rate"), ".2f"), _fmt(r.get("mean_acceptance_length"), ".2f"),
                   _fmt(r.get("draft_cost_ratio"), ".2f"),
-                  _fmt(r.get("predicted_speedup"), ".2f") + ("x" if r.get("predicted_speedup") else ""))
+                  _fmt(r.get("predicted_speedup"), ".2f") + ("x" if r.get("predicted_speedup") else ""),
+                  _fmt(r.get("prompt_s"), ".3f"))
     console = Console(width=None if sys.stdout.isatty() else 120)
     console.print(t)
     for p in summary["pairs"]:

@@ -191,6 +191,10 @@ struct Act {
   // per 16-k sub-block [M, K/16] (the AVX2 Q6_K offset, see i16_steps): cq = the int16 pair
   // 32 * (sum of xq at k = 0, 1 mod 4, at k = 2, 3 mod 4), each |.| <= 32 * 8 * 127 = 32512.
   const int32_t* cq;
+  // AMX Q4_K [Mp, K] (see amx::split): A' = xq8 << sh, exact in int16, as 16 * ah + al with
+  // ah in [-64, 63], al in [0, 15].  Only where a Q4_K segment runs on AMX.
+  const int8_t* ah;
+  const uint8_t* al;
   // Row groups of <= MR rows, near-equal sizes (16 -> 4+4+4+4 on AVX2, 8+8 on AVX-512;
   // grouping never changes a row's sums): group g is rows grp[g] .. grp[g+1]-1.
   const int64_t* grp;
@@ -655,6 +659,98 @@ inline void finish_row(const int32_t* ib, int64_t js, const Rec<F, true>& rs, co
   _mm512_storeu_ps(accrow, f);
 }
 
+// Q4_K's activations for folded tile products: 256-blocks u0 .. u1-1 of xq8 (row-major, as
+// quantise_rows<256>) -> A' = xq8 << sh (|A'| <= 127 * 8, exact in int16) as ah = A' >> 4
+// (arithmetic) and al = A' & 15, so A' = 16 * ah + al, each a byte.
+void split(const int8_t* xq8, const int32_t* sh, int64_t K, int64_t u0, int64_t u1, int8_t* ah, uint8_t* al) {
+  for (int64_t u = u0; u < u1; ++u) {
+    const int64_t m = u / (K / 256), b = u % (K / 256);
+    for (int c = 0; c < 8; ++c) {
+      const int64_t o = m * K + b * 256 + 32 * c;
+      const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq8 + o)));
+      const __m512i a = _mm512_sllv_epi16(v, _mm512_set1_epi16(static_cast<int16_t>(sh[o / 32])));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(ah + o), _mm512_cvtepi16_epi8(_mm512_srai_epi16(a, 4)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(al + o),
+                          _mm512_cvtepi16_epi8(_mm512_and_si512(a, _mm512_set1_epi16(15))));
+    }
+  }
+}
+
+// Q4_K on tiles with the scales folded in, one tile product per 64 k instead of per 32-k
+// sub-block: the record's C = sum_b (sc_b * I_b) << sh_b (the narrow routines' integer) is
+// sum_k A'_k * W'_k with A' = xq8 << sh (per row and 32-block) and W' = sc_b * q_k (per output
+// and sub-block, <= 63 * 15 = 945).  Neither fits a byte, so both split by 16: A' = 16 ah + al,
+// W' = 16 wh + wl (wh <= 59, wl <= 15), and the four tile products over the record's 256 k
+// (the two cross terms share a shift, so one tile sums both):
+//   C = (ah.wh << 8) + ((ah.wl + al.wh) << 4) + al.wl,
+// all exact in int32 (|ah.wh| <= 256 * 64 * 59, so << 8 < 2^28; the sum is C, bounded as in
+// the header).  The per-row epilogue is then the record's two fp32 steps, no per-sub-block ops.
+// Tiles: 0 ah, 1 al (16 rows x 64 k), 2 wh, 3 wl (16 k-steps x 64 bytes), 4-6 the products.
+void panel_q4k(const uint8_t* p, int64_t nrec, const Act& a, int64_t M, float* acc) {
+  constexpr int F = Q4_K, rb = rec_bytes<F>();
+  configure(64);
+  std::memset(acc, 0, sizeof(float) * M * NR);
+  Rec<F, true> rs;
+  alignas(64) uint8_t wh[64 * 64], wl[64 * 64];  // [k-step][16 outputs x 4 k]
+  alignas(64) int32_t ib[3 * TM * NR];
+  const int64_t K = a.K, tiles = (M + TM - 1) / TM;
+  for (int64_t rec = 0; rec < nrec; ++rec) {
+    const uint8_t* s = p + rec * rb;
+    for (int off = 0; off < rb; off += 64) _mm_prefetch(reinterpret_cast<const char*>(s + rb + off), _MM_HINT_T0);
+    rs.load(s);
+    const uint8_t* lo = s + Traits<F>::sbytes;
+    const __m512i m8 = _mm512_set1_epi16(0x00FF), m4 = _mm512_set1_epi16(15);
+    for (int j = 0; j < 8; ++j) {  // sub-block j: k-steps 8j .. 8j + 7
+      // the sub-block scale of output o on both 16-bit halves of o's 4-byte lane
+      const __m512i sc = _mm512_or_si512(_mm512_load_si512(rs.sc + j * NR), _mm512_slli_epi32(_mm512_load_si512(rs.sc + j * NR), 16));
+#pragma GCC unroll 8
+      for (int t = 8 * j; t < 8 * j + 8; ++t) {
+        const __m512i q = avx512::decode<F>(lo, nullptr, t);  // bytes 0..15
+        const __m512i we = _mm512_mullo_epi16(_mm512_and_si512(q, m8), sc);  // even bytes' W'
+        const __m512i wo = _mm512_mullo_epi16(_mm512_srli_epi16(q, 8), sc);  // odd bytes'
+        _mm512_store_si512(wl + 64 * t, _mm512_or_si512(_mm512_and_si512(we, m4), _mm512_slli_epi16(_mm512_and_si512(wo, m4), 8)));
+        _mm512_store_si512(wh + 64 * t, _mm512_or_si512(_mm512_srli_epi16(we, 4), _mm512_slli_epi16(_mm512_srli_epi16(wo, 4), 8)));
+      }
+    }
+    const int64_t k0 = rec * 256;
+    for (int64_t ti = 0; ti < tiles; ++ti) {
+      const int64_t r0 = ti * TM;
+      _tile_zero(4);
+      _tile_zero(5);
+      _tile_zero(6);
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) {
+        _tile_loadd(0, a.ah + r0 * K + k0 + 64 * c, K);
+        _tile_loadd(1, a.al + r0 * K + k0 + 64 * c, K);
+        _tile_loadd(2, wh + 16 * 64 * c, 64);
+        _tile_loadd(3, wl + 16 * 64 * c, 64);
+        _tile_dpbsud(4, 0, 2);
+        _tile_dpbsud(5, 0, 3);
+        _tile_dpbuud(5, 1, 2);
+        _tile_dpbuud(6, 1, 3);
+      }
+      _tile_stored(4, ib, 64);
+      _tile_stored(5, ib + TM * NR, 64);
+      _tile_stored(6, ib + 2 * TM * NR, 64);
+      const int rows = static_cast<int>(std::min<int64_t>(TM, M - r0));
+      for (int r = 0; r < rows; ++r) {
+        const int64_t m = r0 + r;
+        auto ld = [&](int i) { return _mm512_load_si512(ib + i * TM * NR + r * NR); };
+        const __m512i cv = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(ld(0), 8), _mm512_slli_epi32(ld(1), 4)), ld(2));
+        float* out = acc + m * NR;
+        const __m512 dx = _mm512_set1_ps(a.dx8[m * (K / 256) + k0 / 256]);
+        __m512 f = _mm512_fmadd_ps(_mm512_load_ps(rs.ws), _mm512_mul_ps(_mm512_cvtepi32_ps(cv), dx), _mm512_loadu_ps(out));
+        __m512i cm = _mm512_setzero_si512();
+        for (int i = 0; i < 4; ++i)
+          cm = _mm512_add_epi32(cm, _mm512_madd_epi16(_mm512_load_si512(rs.mp + i * NR),
+                                                      _mm512_set1_epi32(a.tp[m * (K / 64) + k0 / 64 + i])));
+        f = _mm512_fmadd_ps(_mm512_load_ps(rs.wm), _mm512_mul_ps(_mm512_cvtepi32_ps(cm), dx), f);
+        _mm512_storeu_ps(out, f);
+      }
+    }
+  }
+}
+
 // One panel (16 outputs) for all M rows, as ::panel; the activations hold whole 16-row tiles
 // (qlinear pads xq / xq8 to a multiple of 16 rows).
 template <int F>
@@ -779,7 +875,7 @@ int64_t amx_min_rows(int64_t fmt) {
 
 template <int F>
 PanelFn panel_for(int64_t isa) {
-  if (isa == kAmx) return &amx::panel<F>;
+  if (isa == kAmx) return F == Q4_K ? &amx::panel_q4k : &amx::panel<F>;
   return isa == kAvx512 ? &panel<F, avx512::Rows, kMrAvx512> : &panel<F, Avx2Rows, kMrAvx2>;
 }
 
@@ -998,6 +1094,10 @@ torch::Tensor qlinear(const torch::Tensor& x_in, const std::vector<torch::Tensor
   const int64_t n32 = M * K / 32;
   std::vector<int32_t> s32(need32 ? n32 : 0), sh(need256 ? n32 : 0), sp16(need256 ? n32 : 0), tp(need256 ? n32 / 2 : 0), cq(need256 ? 2 * n32 : 0);
   std::vector<float> dx(need32 ? n32 : 0), dxs32(need32 ? n32 : 0), dx8(need256 ? M * K / 256 : 0);
+  bool split = false;  // a Q4_K segment on AMX: its activations split for the folded products
+  for (size_t i = 0; i < fmts.size(); ++i) split |= fmts[i] == Q4_K && seg_isa[i] == kAmx;
+  std::vector<int8_t> ah(split ? Mp * K : 0);
+  std::vector<uint8_t> al(split ? Mp * K : 0);
   // Thread t of nth quantises its share of the blocks of each size the call needs.
   const float* xp = x.data_ptr<float>();
   auto quantise = [&](int64_t t, int64_t nth) {
@@ -1010,6 +1110,7 @@ torch::Tensor qlinear(const torch::Tensor& x_in, const std::vector<torch::Tensor
       const int64_t nb = M * K / 256;
       quantise_rows<256>(xp, K, nb * t / nth, nb * (t + 1) / nth, xq8.data(), dx8.data(), nullptr, nullptr,
                          sh.data(), sp16.data(), tp.data(), cq.data());
+      if (split) amx::split(xq8.data(), sh.data(), K, nb * t / nth, nb * (t + 1) / nth, ah.data(), al.data());
     }
   };
   // Row blocks of MB rows, each a pass over all panels (see row_block); per block, groups of <= MR
@@ -1026,7 +1127,7 @@ torch::Tensor qlinear(const torch::Tensor& x_in, const std::vector<torch::Tensor
     acts.push_back(Act{K, at(xq.data(), m0 * K), at(s32.data(), m0 * (K / 32)), at(dx.data(), m0 * (K / 32)),
                        at(dxs32.data(), m0 * (K / 32)), at(xq8.data(), m0 * K), at(dx8.data(), m0 * (K / 256)),
                        at(sh.data(), m0 * (K / 32)), at(sp16.data(), m0 * (K / 32)), at(tp.data(), m0 * (K / 64)),
-                       at(cq.data(), m0 * (K / 16)), grp.data(), ng});
+                       at(cq.data(), m0 * (K / 16)), at(ah.data(), m0 * K), at(al.data(), m0 * K), grp.data(), ng});
   }
   float* op = out.data_ptr<float>();
   const int nt = static_cast<int>(std::max<int64_t>(1, nthreads));
