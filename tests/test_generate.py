@@ -88,8 +88,20 @@ def test_cli_json_output(smollm2_dir):
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert set(out) == {"text", "token_ids", "finish_reason", "usage", "timing", "stats"}
     assert out["usage"]["completion_tokens"] == len(out["token_ids"]) <= 8
-    assert set(out["timing"]) == {"load_s", "prefill_s", "decode_s", "decode_tokens_per_s"}
+    assert set(out["timing"]) == {"load_s", "prefill_s", "ttft_s", "prompt_tokens_per_s", "decode_s",
+                                  "decode_tokens_per_s"}
+    t = out["timing"]
+    # the first token follows the prompt's processing, and the prompt rate is the prompt over it
+    assert 0 < t["prefill_s"] <= t["ttft_s"]
+    assert t["prompt_tokens_per_s"] == pytest.approx(out["usage"]["prompt_tokens"] / t["prefill_s"])
     assert out["finish_reason"] in ("stop", "length")
+
+
+def test_cli_stats_report_prompt_processing_and_ttft(smollm2_dir):
+    r = run_cli("generate", "--temperature", "0", "--max-tokens", "4", "--stats", "--threads", "2", "Say hi")
+    assert r.returncode == 0, r.stderr
+    line = next(x for x in r.stderr.splitlines() if x.startswith("[prompt "))
+    assert " tokens in " in line and "tok/s), time to first token " in line and ", load " in line
 
 
 def test_same_seed_same_text(smollm2):
