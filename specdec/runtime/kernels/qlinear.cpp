@@ -191,8 +191,8 @@ struct Act {
   // per 16-k sub-block [M, K/16] (the AVX2 Q6_K offset, see i16_steps): cq = the int16 pair
   // 32 * (sum of xq at k = 0, 1 mod 4, at k = 2, 3 mod 4), each |.| <= 32 * 8 * 127 = 32512.
   const int32_t* cq;
-  // AMX Q4_K [Mp, K] (see amx::split): A' = xq8 << sh, exact in int16, as 16 * ah + al with
-  // ah in [-64, 63], al in [0, 15].  Only where a Q4_K segment runs on AMX.
+  // AMX K-quants [Mp, K] (see amx::split): A' = xq8 << sh, exact in int16, as 16 * ah + al with
+  // ah in [-64, 63], al in [0, 15].  Only where a Q4_K or Q6_K segment runs on AMX.
   const int8_t* ah;
   const uint8_t* al;
   // Row groups of <= MR rows, near-equal sizes (16 -> 4+4+4+4 on AVX2, 8+8 on AVX-512;
@@ -659,7 +659,7 @@ inline void finish_row(const int32_t* ib, int64_t js, const Rec<F, true>& rs, co
   _mm512_storeu_ps(accrow, f);
 }
 
-// Q4_K's activations for folded tile products: 256-blocks u0 .. u1-1 of xq8 (row-major, as
+// The K-quants' activations for folded tile products: 256-blocks u0 .. u1-1 of xq8 (row-major, as
 // quantise_rows<256>) -> A' = xq8 << sh (|A'| <= 127 * 8, exact in int16) as ah = A' >> 4
 // (arithmetic) and al = A' & 15, so A' = 16 * ah + al, each a byte.
 void split(const int8_t* xq8, const int32_t* sh, int64_t K, int64_t u0, int64_t u1, int8_t* ah, uint8_t* al) {
@@ -676,40 +676,51 @@ void split(const int8_t* xq8, const int32_t* sh, int64_t K, int64_t u0, int64_t 
   }
 }
 
-// Q4_K on tiles with the scales folded in, one tile product per 64 k instead of per 32-k
-// sub-block: the record's C = sum_b (sc_b * I_b) << sh_b (the narrow routines' integer) is
-// sum_k A'_k * W'_k with A' = xq8 << sh (per row and 32-block) and W' = sc_b * q_k (per output
-// and sub-block, <= 63 * 15 = 945).  Neither fits a byte, so both split by 16: A' = 16 ah + al,
-// W' = 16 wh + wl (wh <= 59, wl <= 15), and the four tile products over the record's 256 k
-// (the two cross terms share a shift, so one tile sums both):
-//   C = (ah.wh << 8) + ((ah.wl + al.wh) << 4) + al.wl,
-// all exact in int32 (|ah.wh| <= 256 * 64 * 59, so << 8 < 2^28; the sum is C, bounded as in
-// the header).  The per-row epilogue is then the record's two fp32 steps, no per-sub-block ops.
-// Tiles: 0 ah, 1 al (16 rows x 64 k), 2 wh, 3 wl (16 k-steps x 64 bytes), 4-6 the products.
-void panel_q4k(const uint8_t* p, int64_t nrec, const Act& a, int64_t M, float* acc) {
-  constexpr int F = Q4_K, rb = rec_bytes<F>();
+// The K-quants on tiles with the scales folded in, one tile product per 64 k instead of one
+// per sub-block: the record's C (the narrow routines' integer, see the header) is
+// sum_k A'_k * W'_k with A' = xq8 << sh (per row and 32-block) and W' the weight code times its
+// sub-block scale: Q4_K W' = sc_b * q_k in [0, 945]; Q6_K W' = sc_b * (q_k - 32) in
+// [-4096, 4096] (its -32 * sc * S terms come along).  Neither side fits a byte, so both split:
+// A' = 16 ah + al (ah in [-64, 63], al in [0, 15]), W' = 64 wh + wl (wl in [0, 63]; wh in
+// [0, 14] for Q4_K, [-64, 64] for Q6_K), and four tile products summed over the record's 256 k,
+//   C = (ah.wh << 10) + (al.wh << 6) + (ah.wl << 4) + al.wl,
+// exact in int32 (|ah.wh| <= 256 * 64 * 64 = 2^20, so << 10 <= 2^30, and the four terms sum to
+// less than 2^31 in magnitude).  Each row's epilogue is then the record's fp32 steps only (Q4_K's
+// min term as in the narrow routine), no per-sub-block operations.
+// Tiles: 0 ah, 1 al (16 rows x 64 k), 2 wh, 3 wl (16 k-steps x 64 bytes), 4-7 the products.
+template <int F>
+void panel_folded(const uint8_t* p, int64_t nrec, const Act& a, int64_t M, float* acc) {
+  static_assert(F == Q4_K || F == Q6_K, "the K-quants' activations are split");
+  constexpr int rb = rec_bytes<F>(), spsub = Traits<F>::sb / 4;  // k-steps per sub-block
   configure(64);
   std::memset(acc, 0, sizeof(float) * M * NR);
   Rec<F, true> rs;
   alignas(64) uint8_t wh[64 * 64], wl[64 * 64];  // [k-step][16 outputs x 4 k]
-  alignas(64) int32_t ib[3 * TM * NR];
+  alignas(64) int32_t ib[4 * TM * NR];
   const int64_t K = a.K, tiles = (M + TM - 1) / TM;
   for (int64_t rec = 0; rec < nrec; ++rec) {
     const uint8_t* s = p + rec * rb;
     for (int off = 0; off < rb; off += 64) _mm_prefetch(reinterpret_cast<const char*>(s + rb + off), _MM_HINT_T0);
     rs.load(s);
     const uint8_t* lo = s + Traits<F>::sbytes;
-    const __m512i m8 = _mm512_set1_epi16(0x00FF), m4 = _mm512_set1_epi16(15);
-    for (int j = 0; j < 8; ++j) {  // sub-block j: k-steps 8j .. 8j + 7
-      // the sub-block scale of output o on both 16-bit halves of o's 4-byte lane
-      const __m512i sc = _mm512_or_si512(_mm512_load_si512(rs.sc + j * NR), _mm512_slli_epi32(_mm512_load_si512(rs.sc + j * NR), 16));
+    const uint8_t* hi = lo + lo_bytes<F>();
+    const __m512i m8 = _mm512_set1_epi16(0x00FF), m6 = _mm512_set1_epi16(63);
+    for (int j = 0; j < 256 / Traits<F>::sb; ++j) {
+      // sub-block j's scale of output o on both 16-bit halves of o's 4-byte lane (sign kept)
+      const __m512i sc32 = _mm512_load_si512(rs.sc + j * NR);
+      const __m512i sc = _mm512_or_si512(_mm512_and_si512(sc32, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(sc32, 16));
 #pragma GCC unroll 8
-      for (int t = 8 * j; t < 8 * j + 8; ++t) {
-        const __m512i q = avx512::decode<F>(lo, nullptr, t);  // bytes 0..15
-        const __m512i we = _mm512_mullo_epi16(_mm512_and_si512(q, m8), sc);  // even bytes' W'
-        const __m512i wo = _mm512_mullo_epi16(_mm512_srli_epi16(q, 8), sc);  // odd bytes'
-        _mm512_store_si512(wl + 64 * t, _mm512_or_si512(_mm512_and_si512(we, m4), _mm512_slli_epi16(_mm512_and_si512(wo, m4), 8)));
-        _mm512_store_si512(wh + 64 * t, _mm512_or_si512(_mm512_srli_epi16(we, 4), _mm512_slli_epi16(_mm512_srli_epi16(wo, 4), 8)));
+      for (int t = spsub * j; t < spsub * (j + 1); ++t) {
+        const __m512i q = avx512::decode<F>(lo, hi, t);  // codes, one byte each
+        __m512i qe = _mm512_and_si512(q, m8), qo = _mm512_srli_epi16(q, 8);
+        if constexpr (F == Q6_K) {
+          qe = _mm512_sub_epi16(qe, _mm512_set1_epi16(32));
+          qo = _mm512_sub_epi16(qo, _mm512_set1_epi16(32));
+        }
+        const __m512i we = _mm512_mullo_epi16(qe, sc), wo = _mm512_mullo_epi16(qo, sc);  // W', exact in int16
+        _mm512_store_si512(wl + 64 * t, _mm512_or_si512(_mm512_and_si512(we, m6), _mm512_slli_epi16(_mm512_and_si512(wo, m6), 8)));
+        _mm512_store_si512(wh + 64 * t, _mm512_or_si512(_mm512_and_si512(_mm512_srai_epi16(we, 6), m8),
+                                                        _mm512_slli_epi16(_mm512_srai_epi16(wo, 6), 8)));
       }
     }
     const int64_t k0 = rec * 256;
@@ -718,33 +729,43 @@ void panel_q4k(const uint8_t* p, int64_t nrec, const Act& a, int64_t M, float* a
       _tile_zero(4);
       _tile_zero(5);
       _tile_zero(6);
+      _tile_zero(7);
 #pragma GCC unroll 4
       for (int c = 0; c < 4; ++c) {
         _tile_loadd(0, a.ah + r0 * K + k0 + 64 * c, K);
         _tile_loadd(1, a.al + r0 * K + k0 + 64 * c, K);
         _tile_loadd(2, wh + 16 * 64 * c, 64);
         _tile_loadd(3, wl + 16 * 64 * c, 64);
-        _tile_dpbsud(4, 0, 2);
-        _tile_dpbsud(5, 0, 3);
-        _tile_dpbuud(5, 1, 2);
-        _tile_dpbuud(6, 1, 3);
+        if constexpr (F == Q6_K) {  // wh signed
+          _tile_dpbssd(4, 0, 2);
+          _tile_dpbusd(5, 1, 2);
+        } else {
+          _tile_dpbsud(4, 0, 2);
+          _tile_dpbuud(5, 1, 2);
+        }
+        _tile_dpbsud(6, 0, 3);
+        _tile_dpbuud(7, 1, 3);
       }
       _tile_stored(4, ib, 64);
       _tile_stored(5, ib + TM * NR, 64);
       _tile_stored(6, ib + 2 * TM * NR, 64);
+      _tile_stored(7, ib + 3 * TM * NR, 64);
       const int rows = static_cast<int>(std::min<int64_t>(TM, M - r0));
       for (int r = 0; r < rows; ++r) {
         const int64_t m = r0 + r;
         auto ld = [&](int i) { return _mm512_load_si512(ib + i * TM * NR + r * NR); };
-        const __m512i cv = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(ld(0), 8), _mm512_slli_epi32(ld(1), 4)), ld(2));
+        const __m512i cv = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(ld(0), 10), _mm512_slli_epi32(ld(1), 6)),
+                                            _mm512_add_epi32(_mm512_slli_epi32(ld(2), 4), ld(3)));
         float* out = acc + m * NR;
         const __m512 dx = _mm512_set1_ps(a.dx8[m * (K / 256) + k0 / 256]);
         __m512 f = _mm512_fmadd_ps(_mm512_load_ps(rs.ws), _mm512_mul_ps(_mm512_cvtepi32_ps(cv), dx), _mm512_loadu_ps(out));
-        __m512i cm = _mm512_setzero_si512();
-        for (int i = 0; i < 4; ++i)
-          cm = _mm512_add_epi32(cm, _mm512_madd_epi16(_mm512_load_si512(rs.mp + i * NR),
-                                                      _mm512_set1_epi32(a.tp[m * (K / 64) + k0 / 64 + i])));
-        f = _mm512_fmadd_ps(_mm512_load_ps(rs.wm), _mm512_mul_ps(_mm512_cvtepi32_ps(cm), dx), f);
+        if constexpr (F == Q4_K) {
+          __m512i cm = _mm512_setzero_si512();
+          for (int i = 0; i < 4; ++i)
+            cm = _mm512_add_epi32(cm, _mm512_madd_epi16(_mm512_load_si512(rs.mp + i * NR),
+                                                        _mm512_set1_epi32(a.tp[m * (K / 64) + k0 / 64 + i])));
+          f = _mm512_fmadd_ps(_mm512_load_ps(rs.wm), _mm512_mul_ps(_mm512_cvtepi32_ps(cm), dx), f);
+        }
         _mm512_storeu_ps(out, f);
       }
     }
@@ -861,21 +882,18 @@ constexpr int kMrAvx2 = 5, kMrAvx512 = 8;  // rows per group (register budget of
 // The ISAs a call can run on (the isa argument): 2 AVX2, 512 AVX-512 VNNI, 1024 AMX int8 tiles.
 constexpr int64_t kAvx2 = 2, kAvx512 = 512, kAmx = 1024;
 // Rows from which isa = 0 (auto) runs a format on AMX where the CPU has it (the same bits
-// either way).  Below them AVX-512 VNNI is as fast or faster: AMX decodes a record into tile
-// layout and stores a 1 KiB tile per sub-block whatever the rows, and Q6_K's 16-k sub-blocks
-// use a quarter of a tile product's depth (measured on the Intel AMX host, 2 threads, Qwen
-// 1.5B / SmolLM2 shapes, kernel A/B in one process: docs/bench/prefill_amx.txt).
-int64_t amx_min_rows(int64_t fmt) {
-  switch (fmt) {
-    case Q6_K: return 64;
-    case Q4_0: case Q4_1: return 32;
-    default: return 16;
-  }
-}
+// either way).  Below them AVX-512 VNNI is as fast or faster: AMX decodes each record into tile
+// layout whatever the rows (measured on the Intel AMX host, 2 threads, Qwen 1.5B and SmolLM2
+// shapes, both ISAs in one process: AMX / VNNI time at 16 rows Q4_K 0.95, Q6_K 0.87, Q8_0 0.82,
+// Q5_0 0.89; Q4_1 1.17 at 16 and 0.46 at 40).
+int64_t amx_min_rows(int64_t fmt) { return fmt == Q4_0 || fmt == Q4_1 ? 32 : 16; }
 
 template <int F>
 PanelFn panel_for(int64_t isa) {
-  if (isa == kAmx) return F == Q4_K ? &amx::panel_q4k : &amx::panel<F>;
+  if (isa == kAmx) {
+    if constexpr (F == Q4_K || F == Q6_K) return &amx::panel_folded<F>;
+    return &amx::panel<F>;
+  }
   return isa == kAvx512 ? &panel<F, avx512::Rows, kMrAvx512> : &panel<F, Avx2Rows, kMrAvx2>;
 }
 
@@ -1094,8 +1112,8 @@ torch::Tensor qlinear(const torch::Tensor& x_in, const std::vector<torch::Tensor
   const int64_t n32 = M * K / 32;
   std::vector<int32_t> s32(need32 ? n32 : 0), sh(need256 ? n32 : 0), sp16(need256 ? n32 : 0), tp(need256 ? n32 / 2 : 0), cq(need256 ? 2 * n32 : 0);
   std::vector<float> dx(need32 ? n32 : 0), dxs32(need32 ? n32 : 0), dx8(need256 ? M * K / 256 : 0);
-  bool split = false;  // a Q4_K segment on AMX: its activations split for the folded products
-  for (size_t i = 0; i < fmts.size(); ++i) split |= fmts[i] == Q4_K && seg_isa[i] == kAmx;
+  bool split = false;  // a K-quant segment on AMX: its activations split for the folded products
+  for (size_t i = 0; i < fmts.size(); ++i) split |= (fmts[i] == Q4_K || fmts[i] == Q6_K) && seg_isa[i] == kAmx;
   std::vector<int8_t> ah(split ? Mp * K : 0);
   std::vector<uint8_t> al(split ? Mp * K : 0);
   // Thread t of nth quantises its share of the blocks of each size the call needs.
