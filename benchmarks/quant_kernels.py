@@ -5,7 +5,7 @@ the caches) are multiplied by M = 1, 2, 5, 8, 16 rows of activations; the same r
 machine's read bandwidth with the fp32 kernel's stream-read probe.  GB/s = packed bytes / median
 time.  Variants are interleaved per repeat.  A table, then one JSON line.
 
-    .venv/bin/python benchmarks/quant_kernels.py [--threads 2] [--mb 96] [--isa 0|2|512]
+    .venv/bin/python benchmarks/quant_kernels.py [--threads 2] [--mb 96] [--isa 0|2|512|1024]
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--mb", type=float, default=96.0)
     ap.add_argument("--repeats", type=int, default=9)
-    ap.add_argument("--isa", type=int, default=0, help="0 = best, 2 = AVX2, 512 = AVX-512 VNNI")
+    ap.add_argument("--isa", type=int, default=0, help="0 = auto (per call: AMX from 16 rows where the CPU has it), 2 = AVX2, "
+                    "512 = AVX-512 VNNI, 1024 = AMX")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     from gguf import GGUFReader
@@ -69,7 +70,7 @@ def main():
                 ext.qlinear(xs[m], qw.packed, fmts, ns, None, a.threads, a.isa)
                 times[q, m].append(time.perf_counter() - t0)
     read_bw = statistics.median(bw)
-    isa = a.isa or ext.best_isa()
+    isa = a.isa or f"auto (best {ext.best_isa()})"
     print(f"threads {a.threads}, isa {isa}, stream read {read_bw:.1f} GB/s; GB/s of packed weight "
           f"(bits/weight) for M rows")
     print("| type | bits/w | " + " | ".join(f"M={m}" for m in MS) + " | M=5 / M=1 time |")

@@ -53,9 +53,10 @@
 //     value, reordered to 16 outputs per vector (see quant.py).
 //   Q6_K2 (Q6_K for the AVX2 routine, packed where that routine runs): the same scales, and
 //     in place of the two planes one plane of k-step pairs (see decode_half).
-// Two implementations: AVX2 (+F16C; maddubs/madd, what Zen 3 runs) and AVX-512 VNNI
-// (vpdpbusd), chosen at run time.  Integer sums are exact and the fp32 epilogue is
-// the same per-lane code, so both give the same bits.
+// Three implementations: AVX2 (+F16C; maddubs/madd, what Zen 3 runs), AVX-512 VNNI
+// (vpdpbusd), and AMX int8 tiles for calls of many rows (see "AMX int8 tiles"), chosen at run
+// time.  Integer sums are exact and the fp32 epilogue is the same per-lane code, so all give
+// the same bits.
 
 #include <torch/extension.h>
 
@@ -573,9 +574,10 @@ struct Rows {  // one record, R <= 8 rows
 // gives the sub-block's exact int32 sums I for 16 rows x 16 outputs (Q8_0: signed x signed,
 // so no +128 offset; the rest: signed activations x unsigned codes); from there each row runs
 // the AVX-512 routine's own integer steps and fp32 epilogue in the same order (finish_row),
-// so a row's bits equal the narrow paths' whatever M is.
-//   Cost per 16 rows and sub-block: 1 tile product + a 1 KiB tile store + ~4 vector ops per
-// row, against 2 instructions per row and k-step on VNNI (a 32-k sub-block: 256 vs ~70).
+// so a row's bits equal the narrow paths' whatever M is.  The K-quants fold their sub-block
+// scales into the products instead (panel_folded); the rest run `panel` below.
+//   Cost per 16 rows and 32-k record (panel): 1 tile product + a 1 KiB tile store + ~4 vector
+// ops per row, against 2 instructions per row and k-step on VNNI (256 vs ~70).
 //   Tiles (palette 1): 0, 1: A, 16 rows x sb bytes; 2, 3: B, sb / 4 rows x 64 bytes; 4-7: C,
 // 16 rows x 16 int32.  A and B alternate between two tiles and C rotates over four, so four
 // products are in flight (the tile registers are not renamed).
@@ -615,47 +617,18 @@ void release() {  // at the end of each parallel region that used tiles
   }
 }
 
-// Row m's share of one record from its sub-block sums ib[j * js] (16 int32 each): the integer
-// steps and the fp32 epilogue of avx512::Rows::run, operation for operation.
+// Row m's share of one 32-k record from its integer sums ib (16 int32): the fp32 epilogue of
+// avx512::Rows::run, operation for operation.
 template <int F>
-inline void finish_row(const int32_t* ib, int64_t js, const Rec<F, true>& rs, const Act& a, int64_t m,
-                       int64_t k0, float* accrow) {
-  constexpr int sb = Traits<F>::sb, nsub = Traits<F>::rk / sb;
-  const int64_t K = a.K, n32 = K / 32;
+inline void finish_row(const int32_t* ib, const Rec<F, true>& rs, const Act& a, int64_t m, int64_t k0,
+                       float* accrow) {
+  static_assert(!kquant<F>(), "the K-quants run panel_folded");
+  const int64_t n32 = a.K / 32;
   __m512 f = _mm512_loadu_ps(accrow);
-  if constexpr (!kquant<F>()) {
-    static_assert(nsub == 1, "32-k formats: one sub-block per record");
-    const __m512i cj = _mm512_load_si512(ib);
-    const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(cj), _mm512_set1_ps(a.dx[m * n32 + k0 / 32]));
-    f = _mm512_fmadd_ps(_mm512_load_ps(rs.ws), t, f);
-    if constexpr (Traits<F>::has_m)
-      f = _mm512_fmadd_ps(_mm512_load_ps(rs.wm), _mm512_set1_ps(a.dxs32[m * n32 + k0 / 32]), f);
-  } else {
-    __m512i c = _mm512_setzero_si512(), c32 = _mm512_setzero_si512();
-#pragma GCC unroll 16
-    for (int j = 0; j < nsub; ++j) {
-      const __m512i p = _mm512_mullo_epi32(_mm512_load_si512(ib + j * js), _mm512_load_si512(rs.sc + j * NR));
-      c32 = F == Q6_K && j % 2 ? _mm512_add_epi32(c32, p) : p;
-      if (F == Q4_K || j % 2 == 1) {
-        const int64_t b32 = (k0 + j * sb) / 32;
-        __m512i v = c32;
-        if constexpr (F == Q6_K)
-          v = _mm512_sub_epi32(v, _mm512_slli_epi32(_mm512_madd_epi16(_mm512_load_si512(rs.mp + (j / 2) * NR),
-                                                                      _mm512_set1_epi32(a.sp16[m * n32 + b32])), 5));
-        v = _mm512_sllv_epi32(v, _mm512_set1_epi32(a.sh[m * n32 + b32]));
-        c = j == (F == Q6_K ? 1 : 0) ? v : _mm512_add_epi32(c, v);
-      }
-    }
-    const __m512 dx = _mm512_set1_ps(a.dx8[m * (K / 256) + k0 / 256]);
-    f = _mm512_fmadd_ps(_mm512_load_ps(rs.ws), _mm512_mul_ps(_mm512_cvtepi32_ps(c), dx), f);
-    if constexpr (F == Q4_K) {
-      __m512i cm = _mm512_setzero_si512();
-      for (int i = 0; i < nsub / 2; ++i)
-        cm = _mm512_add_epi32(cm, _mm512_madd_epi16(_mm512_load_si512(rs.mp + i * NR),
-                                                    _mm512_set1_epi32(a.tp[m * (K / 64) + k0 / 64 + i])));
-      f = _mm512_fmadd_ps(_mm512_load_ps(rs.wm), _mm512_mul_ps(_mm512_cvtepi32_ps(cm), dx), f);
-    }
-  }
+  const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(ib)), _mm512_set1_ps(a.dx[m * n32 + k0 / 32]));
+  f = _mm512_fmadd_ps(_mm512_load_ps(rs.ws), t, f);
+  if constexpr (Traits<F>::has_m)
+    f = _mm512_fmadd_ps(_mm512_load_ps(rs.wm), _mm512_set1_ps(a.dxs32[m * n32 + k0 / 32]), f);
   _mm512_storeu_ps(accrow, f);
 }
 
@@ -772,19 +745,20 @@ void panel_folded(const uint8_t* p, int64_t nrec, const Act& a, int64_t M, float
   }
 }
 
-// One panel (16 outputs) for all M rows, as ::panel; the activations hold whole 16-row tiles
-// (qlinear pads xq / xq8 to a multiple of 16 rows).
+// A 32-k format's panel (16 outputs) for all M rows, as ::panel; the activations hold whole
+// 16-row tiles (qlinear pads xq to a multiple of 16 rows).
 template <int F>
 void panel(const uint8_t* p, int64_t nrec, const Act& a, int64_t M, float* acc) {
+  static_assert(!kquant<F>(), "the K-quants run panel_folded");
   constexpr int rb = rec_bytes<F>(), rk = Traits<F>::rk, sb = Traits<F>::sb, nsub = rk / sb;
-  constexpr int G = nsub >= 4 ? 1 : 4;  // row tiles per pass: at least 4 tile products in flight
+  constexpr int G = 4;  // row tiles per pass: 4 tile products in flight
   configure(sb);
   std::memset(acc, 0, sizeof(float) * M * NR);
   Rec<F, true> rs;
   alignas(64) uint8_t codes[rk / 4 * 64];
   alignas(64) int32_t ib[G * nsub * TM * NR];
   const int64_t K = a.K, tiles = (M + TM - 1) / TM;
-  const int8_t* xq = kquant<F>() ? a.xq8 : a.xq;
+  const int8_t* xq = a.xq;
   for (int64_t rec = 0; rec < nrec; ++rec) {
     const uint8_t* s = p + rec * rb;
     for (int off = 0; off < rb; off += 64) _mm_prefetch(reinterpret_cast<const char*>(s + rb + off), _MM_HINT_T0);
@@ -824,7 +798,7 @@ void panel(const uint8_t* p, int64_t nrec, const Act& a, int64_t M, float* acc) 
         for (int r = 0; r < TM; ++r) {
           const int64_t m = (t0 + gi) * TM + r;
           if (m >= M) break;
-          finish_row<F>(ib + (gi * nsub * TM + r) * NR, TM * NR, rs, a, m, k0, acc + m * NR);
+          finish_row<F>(ib + (gi * nsub * TM + r) * NR, rs, a, m, k0, acc + m * NR);
         }
     }
   }
@@ -892,7 +866,7 @@ template <int F>
 PanelFn panel_for(int64_t isa) {
   if (isa == kAmx) {
     if constexpr (F == Q4_K || F == Q6_K) return &amx::panel_folded<F>;
-    return &amx::panel<F>;
+    else return &amx::panel<F>;
   }
   return isa == kAvx512 ? &panel<F, avx512::Rows, kMrAvx512> : &panel<F, Avx2Rows, kMrAvx2>;
 }
