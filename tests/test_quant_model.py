@@ -67,6 +67,34 @@ def test_native_logits_at_is_bit_exact(native):
     assert torch.equal(sel[0], full[0, [6, 2]])
 
 
+def test_wide_prefill_rows_equal_every_isa_and_the_row_alone(native, monkeypatch):
+    """A 300-token prompt in one forward (every matmul 300 rows wide: AMX tiles where the CPU
+    has them; the 1536-wide down projection in row blocks of 160) gives logits at every position
+    bit-identical to the
+    AVX-512 and AVX2 routines' (each ISA this CPU has), and its last row equals that token
+    decoded alone after the 299-token prefix: the batch invariance a greedy verify and a
+    server batch rely on, on the real Q4_1/Q8_0 weights."""
+    from specdec.runtime.kernels import quant as Q
+
+    if Q._qext() is None:
+        pytest.skip("no C++ kernel on this CPU")
+    model, _ = native
+    t = 300
+    tok = torch.randint(0, 49152, (1, t), generator=torch.Generator().manual_seed(5))
+    pos = torch.arange(t)[None]
+    names = {2: "avx2", 512: "avx512", 1024: "amx"}
+    monkeypatch.delenv("SPECDEC_KERNEL", raising=False)
+    auto = model.forward(tok, pos, model.new_cache(1, t + 8))
+    for isa in Q._qext().isas():
+        monkeypatch.setenv("SPECDEC_KERNEL", names[isa])
+        assert torch.equal(model.forward(tok, pos, model.new_cache(1, t + 8)), auto), names[isa]
+    monkeypatch.delenv("SPECDEC_KERNEL")
+    cache = model.new_cache(1, t + 8)
+    model.forward(tok[:, :-1], pos[:, :-1], cache)
+    cache.advance(0, t - 1)
+    assert torch.equal(model.forward(tok[:, -1:], pos[:, -1:], cache)[0, 0], auto[0, -1])
+
+
 def _prompts(tok):
     code = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
     return [tok.encode_prompt(f"Repeat this code exactly, then add a mul function:\n{code}"),
