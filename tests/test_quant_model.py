@@ -69,11 +69,10 @@ def test_native_logits_at_is_bit_exact(native):
 
 def test_wide_prefill_rows_equal_every_isa_and_the_row_alone(native, monkeypatch):
     """A 300-token prompt in one forward (every matmul 300 rows wide: AMX tiles where the CPU
-    has them; the 1536-wide down projection in row blocks of 160) gives logits at every position
-    bit-identical to the
-    AVX-512 and AVX2 routines' (each ISA this CPU has), and its last row equals that token
-    decoded alone after the 299-token prefix: the batch invariance a greedy verify and a
-    server batch rely on, on the real Q4_1/Q8_0 weights."""
+    has them; the 1536-wide down projection in row blocks of 160) gives logits at every
+    position bit-identical to the AVX-512 and AVX2 routines' (each ISA this CPU has), and its
+    last row equals that token decoded alone after the 299-token prefix: the batch invariance a
+    greedy verify and a server batch rely on, on the real Q4_1/Q8_0 weights."""
     from specdec.runtime.kernels import quant as Q
 
     if Q._qext() is None:
