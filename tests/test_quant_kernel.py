@@ -401,13 +401,18 @@ def test_bad_inputs():
 
 def test_kernel_lists_the_isas_this_cpu_has():
     """isas() is what the invariance tests sweep: AVX2 always, AVX-512 VNNI and AMX where the CPU
-    has them (read from /proc/cpuinfo here, independently of the kernel's own CPUID check)."""
+    has them (read from /proc/cpuinfo here, independently of the kernel's own CPUID check) and,
+    for AMX, Linux grants the tile state (asked here through libc, as the kernel asks)."""
+    import ctypes
+
     if not have_kernel():
         pytest.skip("no C++ kernel on this CPU")
     with open("/proc/cpuinfo") as f:
         flags = set(next(line for line in f if line.startswith("flags")).split(":", 1)[1].split())
     vnni = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"} <= flags
     amx = vnni and {"amx_tile", "amx_int8"} <= flags
+    if amx:  # SYS_arch_prctl = 158 on x86-64; ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18
+        amx = ctypes.CDLL(None, use_errno=True).syscall(158, 0x1023, 18) == 0
     assert Q._ext.isas() == [2] + [512] * vnni + [1024] * amx
 
 
