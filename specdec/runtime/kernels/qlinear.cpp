@@ -750,15 +750,14 @@ void panel_folded(const uint8_t* p, int64_t nrec, const Act& a, int64_t M, float
 template <int F>
 void panel(const uint8_t* p, int64_t nrec, const Act& a, int64_t M, float* acc) {
   static_assert(!kquant<F>(), "the K-quants run panel_folded");
-  constexpr int rb = rec_bytes<F>(), rk = Traits<F>::rk, sb = Traits<F>::sb, nsub = rk / sb;
+  constexpr int rb = rec_bytes<F>(), rk = Traits<F>::rk;  // one 32-k sub-block per record
   constexpr int G = 4;  // row tiles per pass: 4 tile products in flight
-  configure(sb);
+  configure(rk);
   std::memset(acc, 0, sizeof(float) * M * NR);
   Rec<F, true> rs;
   alignas(64) uint8_t codes[rk / 4 * 64];
-  alignas(64) int32_t ib[G * nsub * TM * NR];
+  alignas(64) int32_t ib[G * TM * NR];
   const int64_t K = a.K, tiles = (M + TM - 1) / TM;
-  const int8_t* xq = a.xq;
   for (int64_t rec = 0; rec < nrec; ++rec) {
     const uint8_t* s = p + rec * rb;
     for (int off = 0; off < rb; off += 64) _mm_prefetch(reinterpret_cast<const char*>(s + rb + off), _MM_HINT_T0);
@@ -773,32 +772,30 @@ void panel(const uint8_t* p, int64_t nrec, const Act& a, int64_t M, float* acc) 
     }
     const int64_t k0 = rec * rk;
     for (int64_t t0 = 0; t0 < tiles; t0 += G) {
-      const int g = static_cast<int>(std::min<int64_t>(G, tiles - t0)), jobs = g * nsub;
-      // job i: row tile t0 + i / nsub, sub-block i % nsub; its sums go to ib + i * TM * NR
-      auto xp = [&](int i) { return xq + (t0 + i / nsub) * TM * K + k0 + (i % nsub) * sb; };
-      auto bp = [&](int i) { return bsrc + (i % nsub) * (sb / 4) * 64; };
+      const int g = static_cast<int>(std::min<int64_t>(G, tiles - t0));
+      // job i: row tile t0 + i; its sums go to ib + i * TM * NR
 #define SPECDEC_AMX_JOB(TA, TB, TC, I)                                       \
   do {                                                                       \
     _tile_zero(TC);                                                          \
-    _tile_loadd(TA, xp(I), K);                                               \
-    _tile_loadd(TB, bp(I), 64);                                              \
+    _tile_loadd(TA, a.xq + (t0 + (I)) * TM * K + k0, K);                     \
+    _tile_loadd(TB, bsrc, 64);                                               \
     if constexpr (F == Q8_0) _tile_dpbssd(TC, TA, TB); else _tile_dpbsud(TC, TA, TB); \
     _tile_stored(TC, ib + (I) * TM * NR, 64);                                \
   } while (0)
       int i = 0;
-      for (; i + 4 <= jobs; i += 4) {
+      for (; i + 4 <= g; i += 4) {
         SPECDEC_AMX_JOB(0, 2, 4, i);
         SPECDEC_AMX_JOB(1, 3, 5, i + 1);
         SPECDEC_AMX_JOB(0, 2, 6, i + 2);
         SPECDEC_AMX_JOB(1, 3, 7, i + 3);
       }
-      for (; i < jobs; ++i) SPECDEC_AMX_JOB(0, 2, 4, i);
+      for (; i < g; ++i) SPECDEC_AMX_JOB(0, 2, 4, i);
 #undef SPECDEC_AMX_JOB
       for (int gi = 0; gi < g; ++gi)
         for (int r = 0; r < TM; ++r) {
           const int64_t m = (t0 + gi) * TM + r;
           if (m >= M) break;
-          finish_row<F>(ib + (gi * nsub * TM + r) * NR, rs, a, m, k0, acc + m * NR);
+          finish_row<F>(ib + (gi * TM + r) * NR, rs, a, m, k0, acc + m * NR);
         }
     }
   }
