@@ -135,7 +135,7 @@ def cmd_generate(a) -> int:
     if a.json:
         print(json.dumps({
             "text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
-            "usage": {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": n},
+            "usage": {"prompt_tokens": n_prompt, "completion_tokens": n},
             "timing": {"load_s": llm.load_s, "prefill_s": out.prefill_s, "ttft_s": ttft,
                        "prompt_tokens_per_s": n_prompt / out.prefill_s if out.prefill_s > 0 else 0.0,
                        "decode_s": out.decode_s,
