@@ -87,12 +87,20 @@ def new_state(params: SamplingParams, vocab_size: int, prompt: list[int], device
 def sampling_groups(reqs) -> list[tuple[SamplingParams, object, list[int]]]:
     """[(params, rng, row indices)]: rows that share sampling params and rng, sampled in one call.
     Greedy rows without penalties or log-probabilities share one group whatever their params
-    objects (an argmax uses no dice and no other setting): a server's rows each bring their own."""
+    objects (an argmax uses no dice and no other setting): a server's rows each bring their own.
+    Seed-stable rows share a group by params alone: each row's noise is its own stream's
+    (specdec.rejection.stable_noise), not the group's rng."""
     groups: dict[tuple, list[int]] = {}
     for b, r in enumerate(reqs):
         p = r.params
         plain_argmax = p.greedy and not p.has_penalties and p.logprobs is None
-        groups.setdefault(("argmax",) if plain_argmax else (id(p), id(r.rng)), []).append(b)
+        if plain_argmax:
+            key = ("argmax",)
+        elif p.stable and not p.greedy:  # each row's noise comes from its own stream
+            key = ("stable", id(p))
+        else:
+            key = (id(p), id(r.rng))
+        groups.setdefault(key, []).append(b)
     return [(reqs[idx[0]].params, reqs[idx[0]].rng, idx) for idx in groups.values()]
 
 

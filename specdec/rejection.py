@@ -17,9 +17,20 @@ may have ragged draft lengths (`num_draft` [B]); row b's bonus comes from p[b, n
 Randomness comes from an `Rng` with two methods, `bernoulli(probs) -> bool` and
 `categorical(probs [N, V]) -> [N]`, so tests can replace it (a seeded generator, or one that
 enumerates every branch with its probability for exact distribution tests).
+
+Seed-stable sampling (SamplingParams.stable) draws no dice in verification at all: each output
+position t of a request has its own Gumbel noise g_t [V] from a `GumbelStream` (a generator seeded
+by (seed, t) alone), the token at t is argmax(z_t + g_t) for the transformed logits z_t (the
+Gumbel-max trick: exactly a sample of softmax(z_t)), and a draft is accepted iff it equals that
+argmax. The emitted token at t is therefore the same whether t was drafted or not, by whom, at
+which k and in which batch: speculation changes the speed, never the text. A draft model draws its
+own token at t from argmax(log q_t + g_t), the same noise, so that it agrees with the target as
+often as the coupling allows (docs/lossless.md).
 """
 
 from __future__ import annotations
+
+import secrets
 
 import torch
 
@@ -41,6 +52,56 @@ class TorchRng:
 
     def categorical(self, probs: torch.Tensor) -> torch.Tensor:
         return torch.multinomial(probs.float(), 1, generator=self.gen).squeeze(-1)
+
+
+MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, t: int) -> int:
+    """A 64-bit generator seed for output position t of a stream seeded `seed` (splitmix64 of the
+    pair: nearby seeds and positions give unrelated streams)."""
+    z = (seed + 0x9E3779B97F4A7C15 * (t + 1)) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
+
+
+class GumbelStream:
+    """One request's seed-stable randomness: Gumbel noise g_t [V] per output position t, a pure
+    function of (seed, t), so what is drawn at t never depends on what was drawn before it, on
+    k, on the proposer or on other rows. Positions are cached until `forget_before` (a round's
+    draft and verify read the same positions, and positions past a rejection come back next round)."""
+
+    def __init__(self, seed: int | None = None):
+        self.seed = secrets.randbits(63) if seed is None else seed
+        self._gen = torch.Generator()
+        self._cache: dict[int, torch.Tensor] = {}
+
+    def gumbel(self, t: int, V: int) -> torch.Tensor:
+        """g_t [V] float32: -log(-log(u)), u uniform in [0, 1) (u = 0 gives -inf: never chosen,
+        a 2^-24 event per token, below the resolution of the fp32 probabilities themselves)."""
+        g = self._cache.get(t)
+        if g is None or g.shape[0] != V:
+            self._gen.manual_seed(position_seed(self.seed, t))
+            g = torch.rand(V, generator=self._gen).log_().neg_().log_().neg_()
+            self._cache[t] = g
+        return g
+
+    def forget_before(self, t: int) -> None:
+        for old in [p for p in self._cache if p < t]:
+            del self._cache[old]
+
+
+def stable_noise(reqs, idx: list[int], width: int, V: int, device, start: int = 0) -> torch.Tensor:
+    """[len(idx) * width, V] noise of rows idx at output positions len(output) + start + i,
+    i < width, in row order (each row's own GumbelStream)."""
+    rows = []
+    for b in idx:
+        r = reqs[b]
+        n = len(r.output)
+        r.rng.forget_before(n)  # committed positions are never drawn again
+        rows += [r.rng.gumbel(n + start + i, V) for i in range(width)]
+    return torch.stack(rows).to(device)
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor | None, draft: torch.Tensor) -> torch.Tensor:
@@ -157,4 +218,22 @@ def greedy_verify_reference(target_argmax, draft, num_draft):
             i += 1
         out[b, i] = target_argmax[b, i]
         n_out[b] = i + 1
+    return out, n_out
+
+
+def stable_verify_reference(z, noise, draft, num_draft):
+    """Loop reference of seed-stable verification: z [B, k + 1, V] transformed logits, noise
+    [B, k + 1, V]; the target's token at each position is the first index of max(z + noise), and
+    drafts are kept while they equal it. Returns (out [B, k + 1], num_emitted [B])."""
+    B, k = draft.shape
+    out = torch.full((B, k + 1), PLACEHOLDER, dtype=torch.long)
+    n_out = torch.zeros(B, dtype=torch.long)
+    for b in range(B):
+        for i in range(k + 1):
+            scores = [float(z[b, i, x]) + float(noise[b, i, x]) for x in range(z.shape[-1])]
+            best = max(range(len(scores)), key=lambda x: (scores[x], -x))
+            out[b, i] = best
+            n_out[b] = i + 1
+            if i == int(num_draft[b]) or int(draft[b, i]) != best:
+                break
     return out, n_out

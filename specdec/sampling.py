@@ -63,6 +63,13 @@ def probabilities(logits: torch.Tensor, params: SamplingParams, counts=None, see
     return logits.softmax(-1)
 
 
+def stable_tokens(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor, counts=None,
+                  seen=None) -> torch.Tensor:
+    """Seed-stable sampling: argmax [N] of the transformed logits [N, V] plus Gumbel noise [N, V]
+    (Gumbel-max: a sample of `probabilities(logits, ...)`, decided by the noise alone)."""
+    return (filter_logits(apply_penalties(logits.float(), params, counts, seen), params) + noise).argmax(-1)
+
+
 def greedy_tokens(logits: torch.Tensor, params: SamplingParams, counts=None, seen=None) -> torch.Tensor:
     """argmax [N] of the penalised logits [N, V] (temperature == 0)."""
     return apply_penalties(logits.float(), params, counts, seen).argmax(-1)

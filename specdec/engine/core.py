@@ -95,10 +95,14 @@ class Engine:
             self.reserve(self.cache.batch_size + 1)
         if not self.free_rows:
             raise SpecdecError(f"too many concurrent requests; max_batch is {self.max_batch}")
+        if rng is None:
+            rng = (rejection.GumbelStream(params.seed) if params.stable
+                   else rejection.TorchRng(params.seed, self.model.device))
+        assert not (params.stable and not params.greedy) or hasattr(rng, "gumbel"), \
+            "a seed-stable request draws its noise from a GumbelStream"
         row, reuse = self._pick_row(list(prompt) + list(output_prefix))
         self.free_rows.remove(row)
-        req = Request(id=self._next_id, prompt=list(prompt), params=params, row=row,
-                      rng=rng or rejection.TorchRng(params.seed, self.model.device),
+        req = Request(id=self._next_id, prompt=list(prompt), params=params, row=row, rng=rng,
                       tokens=list(prompt),
                       logits_state=new_state(params, self.V, prompt, self.model.device),
                       detok=IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None)
@@ -303,6 +307,10 @@ class Engine:
             flat = logits[ix, : w + 1].flatten(0, 1)  # [G (w + 1), V]
             if params.greedy:
                 am = sampling.greedy_tokens(flat, params, inp.counts, inp.seen).view(len(idx), w + 1)
+                o, n = rejection.greedy_verify(am, d, num_draft[ix])
+            elif params.stable:  # each position's token is fixed by its noise: accept iff equal
+                noise = rejection.stable_noise(reqs, idx, w + 1, flat.shape[-1], flat.device)
+                am = sampling.stable_tokens(flat, params, noise, inp.counts, inp.seen).view(len(idx), w + 1)
                 o, n = rejection.greedy_verify(am, d, num_draft[ix])
             else:
                 p = sampling.probabilities(flat, params, inp.counts, inp.seen).view(len(idx), w + 1, -1)

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from specdec import sampling
+from specdec import rejection, sampling
 from specdec.logits_state import sampling_groups, stacked_inputs
 from specdec.proposers.base import Candidate, Proposal, ProposerBase
 from specdec.round import RowResult
@@ -135,7 +135,8 @@ class DraftModelProposer(ProposerBase):
         return Proposal(tokens=tokens, num_draft=num_draft, q=q, catch_up=sub.catch_up)
 
     def _needs_q(self, reqs) -> bool:
-        return self.draft_sampling == "probabilistic" and any(not r.params.greedy for r in reqs)
+        return self.draft_sampling == "probabilistic" and any(
+            not r.params.greedy and not r.params.stable for r in reqs)
 
     def _sample(self, logits, reqs, drafted, live: set[int]):
         """Draft tokens [B] and their distributions q [B, V] (zeros where q is one-hot) at the
@@ -157,6 +158,9 @@ class DraftModelProposer(ProposerBase):
             elif self.draft_sampling == "greedy":
                 d[ix] = sampling.filter_logits(
                     sampling.apply_penalties(lg.float(), params, inp.counts, inp.seen), params).argmax(-1)
+            elif params.stable:  # the target's noise at this position: q coupled to p, no q needed
+                noise = rejection.stable_noise(reqs, idx, 1, lg.shape[-1], lg.device, start=drafted.shape[1])
+                d[ix] = sampling.stable_tokens(lg, params, noise, inp.counts, inp.seen)
             else:
                 probs = sampling.probabilities(lg, params, inp.counts, inp.seen)
                 d[ix] = rng.categorical(probs)

@@ -23,7 +23,7 @@ import torch
 from specdec import sampling
 from specdec.config import SamplingParams
 from specdec.engine import Engine
-from specdec.rejection import TorchRng
+from specdec.rejection import GumbelStream, TorchRng
 
 PRUNE = 1e-12  # branches this unlikely change probabilities by < 1e-9 in total: skip them
 REST = ("<rest>",)  # the cell holding every sequence not listed in a truncated joint
@@ -170,16 +170,18 @@ def impossible_samples(logits_fn, prompt, params, V, keys) -> list[tuple]:
 
 def sample_engine(engine: Engine, prompt, params, n_samples: int, batch: int, seed: int, n: int = 3,
                   stats=None, on_batch=None) -> dict:
-    """Counts of the first n tokens from the real engine loop (batched rows, one shared rng).
-    `stats` (a SpecStats) accumulates the requests' speculative statistics when given."""
+    """Counts of the first n tokens from the real engine loop (batched rows, one shared rng; for
+    seed-stable params, row i's own GumbelStream seeded seed * n_samples + i: the distribution
+    over seeds). `stats` (a SpecStats) accumulates the requests' speculative statistics."""
     counts: dict = defaultdict(int)
     rng = TorchRng(seed)
     engine.reserve(batch)
     done = 0
     while done < n_samples:
         b = min(batch, n_samples - done)
-        for _ in range(b):
-            engine.add_request(prompt, params, rng=rng)
+        for i in range(b):
+            row_rng = GumbelStream(seed * n_samples + done + i) if params.stable else rng
+            engine.add_request(prompt, params, rng=row_rng)
         reqs = list(engine.active)
         engine.run()
         for r in reqs:
