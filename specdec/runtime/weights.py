@@ -6,14 +6,23 @@ rebuilt from the metadata (via transformers' GGUF converter), and the result is 
 Hugging Face-style directory under `$SPECDEC_CACHE/converted/` (config.json, model.safetensors,
 tokenizer.json, tokenizer_config.json). Later loads read that directory, which takes well under a
 second for SmolLM2-135M. Every user-visible failure is a one-line `SpecdecError`.
+
+Nothing non-finite gets past loading: every dequantised or converted tensor is checked finite,
+and a block-quantised matrix kept as stored has its fp16 scale fields checked (the codes are
+integers, so finite scales mean finite weights). The conversion cache is keyed by the file's
+identity (size, mtime_ns and a sampled content hash) and only ever holds complete conversions:
+each is built in a temporary directory beside its final place, fsynced, then renamed into place;
+a failure of any kind (corrupt tensor, Ctrl-C, full disk) removes the temporary directory.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -27,11 +36,70 @@ from specdec.runtime.kernels.quant import QUANT_TYPES, QuantTensor
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
-CONVERSION_VERSION = 1  # bump when the converted layout changes
+CONVERSION_VERSION = 2  # bump when the converted layout changes (2: finiteness checked, content key)
+
+# Byte offsets of the fp16 scale fields (d, and m / dmin where the format has one) in one block:
+# everything else in a block is an integer code or an integer sub-scale.
+SCALE_OFFSETS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
+assert set(SCALE_OFFSETS) == set(QUANT_TYPES)
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec")).expanduser()
+    """$SPECDEC_CACHE (unset or empty: ~/.cache/specdec)."""
+    return Path(os.environ.get("SPECDEC_CACHE") or Path.home() / ".cache" / "specdec").expanduser()
+
+
+def cache_error(path: Path, e: OSError) -> SpecdecError:
+    """The one-line error for a cache path that cannot be created or written (permissions, a file
+    in the way, a read-only or full disk)."""
+    full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+    todo = "free space there or set SPECDEC_CACHE to a directory with room" if full else \
+        "set SPECDEC_CACHE to a writable directory"
+    return SpecdecError(f"cannot write the cache at {path} ({e.strerror or type(e).__name__}); {todo}")
+
+
+def writable_cache_dir(*parts: str) -> Path:
+    """cache_root()/parts, created and probed with a temporary file: a SpecdecError up front,
+    before any slow work, where the cache cannot be written."""
+    d = cache_root().joinpath(*parts)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=d, prefix=".probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise cache_error(d, e) from None
+    return d
+
+
+def fsync(path: Path, tree: bool = False) -> None:
+    """Flush a file or a directory entry (with tree: also every file under the directory)."""
+    for p in ([f for f in path.rglob("*") if f.is_file()] + [path]) if tree else [path]:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def count_nonfinite(w) -> int:
+    """Non-finite values in a numpy array or torch tensor. A finite sum proves them all finite
+    (one pass, no temporary); only a non-finite sum (or an overflowing one) is counted exactly."""
+    if isinstance(w, torch.Tensor):
+        if not w.is_floating_point() or torch.isfinite(w.sum()):
+            return 0
+        return int(w.numel() - torch.isfinite(w).sum())
+    if w.dtype.kind != "f" or np.isfinite(w.sum()):
+        return 0
+    return int(w.size - np.count_nonzero(np.isfinite(w)))
+
+
+def count_bad_scales(qt: QuantTensor) -> int:
+    """Non-finite fp16 scale fields (exponent bits 0x7C00 all ones: inf or NaN) in a block-
+    quantised matrix, read straight from its bytes: the exponent lies in the high (second,
+    little-endian) byte, so one strided uint8 column per field, no dequantisation."""
+    blocks = qt.raw.reshape(-1, QUANT_TYPES[qt.qtype].tsize)  # [blocks, bytes per block]
+    return sum(int(np.count_nonzero((blocks[:, o + 1] & 0x7C) == 0x7C)) for o in SCALE_OFFSETS[qt.qtype])
 
 
 def _gguf_name_to_hf(name: str) -> str | None:
@@ -116,10 +184,17 @@ def _gguf_tensors(path: Path, convert) -> tuple[ModelArgs, dict]:
             raise SpecdecError(f"unsupported tensor type {t.tensor_type.name} for {name} in {path}; "
                                f"supported: {', '.join(SUPPORTED_TYPES)}")
         try:
-            w = convert(name, t, tuple(int(s) for s in reversed(t.shape)))
+            with np.errstate(invalid="ignore", over="ignore"):  # corrupt scales: reported below
+                w = convert(name, t, tuple(int(s) for s in reversed(t.shape)))
         except Exception as e:
             raise SpecdecError(f"cannot read {name} ({t.tensor_type.name}) in {path}: "
                                f"corrupt or truncated file ({e})") from None
+        quant = isinstance(w, QuantTensor)
+        bad = count_bad_scales(w) if quant else count_nonfinite(w)
+        if bad:
+            what = "block scales" if quant else "values after dequantisation"
+            raise SpecdecError(f"{path}: tensor {name!r} ({t.tensor_type.name}) has {bad} non-finite "
+                               f"{what}; the file is corrupt")
         if args.arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = args.n_heads if "attn_q" in name else args.n_kv_heads
             w = (replace(w, raw=np.ascontiguousarray(_unpermute(w.raw, heads)))
@@ -171,10 +246,37 @@ def _gguf_tokenizer(path: Path, out_dir: Path) -> None:
     tok.save_pretrained(str(out_dir))
 
 
-def _conversion_key(path: Path) -> str:
+def content_hash(path: Path, whole: int = 8 << 20, samples: int = 64, chunk: int = 64 << 10) -> str:
+    """sha256 of a file up to `whole` bytes; of a larger one, its first MiB (header, metadata and
+    tensor table) and `samples` chunks spread evenly over the rest (~5 MiB read: a few ms, where
+    the whole 1.1 GB Qwen 1.5B would take ~1 s on every load)."""
+    h = hashlib.sha256()
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        if size <= whole:
+            h.update(f.read())
+            return h.hexdigest()
+        h.update(f.read(1 << 20))
+        for i in range(1, samples + 1):
+            f.seek((size - chunk) * i // samples)
+            h.update(f.read(chunk))
+    return h.hexdigest()
+
+
+def _is_file(p: Path) -> bool:
+    try:
+        return p.is_file()
+    except OSError:  # e.g. a cache directory we may not even look into
+        return False
+
+
+def conversion_key(path: Path) -> str:
+    """The cache entry name of a GGUF: its stem and a hash of its identity. Size and mtime_ns
+    change on every ordinary rewrite; the content hash catches a different file put in place
+    with its size and mtime preserved (cp -p, rsync -t, tar)."""
     st = path.stat()
-    h = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{CONVERSION_VERSION}".encode())
-    return f"{path.stem}-{h.hexdigest()[:12]}"
+    ident = f"{st.st_size}|{st.st_mtime_ns}|{content_hash(path)}|{CONVERSION_VERSION}"
+    return f"{path.stem}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
 
 
 def convert_gguf(path: Path, progress=None) -> Path:
@@ -182,34 +284,58 @@ def convert_gguf(path: Path, progress=None) -> Path:
     path = Path(path)
     if not path.is_file():
         raise SpecdecError(f"model file not found: {path}")
-    out = cache_root() / "converted" / _conversion_key(path)
-    if (out / "DONE").exists():
-        return out
+    parent = cache_root() / "converted"
+    out = parent / conversion_key(path)
+    if _is_file(out / "DONE"):
+        return out  # a read-only cache still serves what it holds
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    if progress:
-        progress(f"converting {path.name} to {out} (once)")
-    args, state = read_gguf(path)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(state, str(tmp / "model.safetensors"))
-    (tmp / "config.json").write_text(json.dumps(args.to_hf_config(), indent=1))
-    _gguf_tokenizer(path, tmp)
-    (tmp / "DONE").write_text(str(path.resolve()))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    try:  # the temporary directory is the writability check: before the seconds of reading
+        parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=parent, prefix=out.name + ".tmp-"))
+        tmp.chmod(0o755)  # mkdtemp's 0700 would hide a shared cache's entry from other users
+    except OSError as e:
+        raise cache_error(parent, e) from None
+    try:
+        if progress:
+            progress(f"converting {path.name} to {out} (once)")
+        args, state = read_gguf(path)
+        try:
+            save_file(state, str(tmp / "model.safetensors"))
+            del state
+            (tmp / "config.json").write_text(json.dumps(args.to_hf_config(), indent=1))
+            _gguf_tokenizer(path, tmp)
+            (tmp / "DONE").write_text(str(path.resolve()))
+            fsync(tmp, tree=True)
+        except OSError as e:  # named by the entry being written: its temporary is removed
+            raise cache_error(out, e) from None
+        except SafetensorError as e:  # how safetensors reports a failed write (a full disk)
+            raise SpecdecError(f"cannot write the cache at {out} ({e}); free space there or set "
+                               "SPECDEC_CACHE to a directory with room") from None
+        if out.exists():  # a stale entry without DONE, or one another process has just finished
+            if _is_file(out / "DONE"):
+                shutil.rmtree(tmp, ignore_errors=True)
+                return out
+            shutil.rmtree(out)
+        os.rename(tmp, out)
+        fsync(parent)  # the rename itself
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out
 
 
 class LazyTensors(Mapping):
     """name -> tensor over *.safetensors files, read on access: loading a model never holds the
-    whole checkpoint and the packed weights in memory at once."""
+    whole checkpoint and the packed weights in memory at once. With check_finite, each tensor
+    read is checked finite (one sum per tensor: ~0.2 s on a 1 s fp32 load of SmolLM2-135M)."""
 
-    def __init__(self, files: list[Path]):
+    def __init__(self, files: list[Path], check_finite: bool = True):
         from safetensors import safe_open
 
-        self._where = {}
+        self.check_finite = check_finite
+        self._where = {}  # name -> (file, handle)
         self._handles = []
         for f in files:
             try:
@@ -218,15 +344,21 @@ class LazyTensors(Mapping):
                 raise SpecdecError(f"cannot read {f}: corrupt or truncated file ({e})") from None
             self._handles.append(h)
             for k in h.keys():
-                self._where[k] = h
+                self._where[k] = (f, h)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         try:
-            return self._where[name].get_tensor(name)
+            f, h = self._where[name]
         except KeyError:
             raise KeyError(name) from None
+        try:
+            t = h.get_tensor(name)
         except Exception as e:
-            raise SpecdecError(f"cannot read tensor {name}: corrupt or truncated file ({e})") from None
+            raise SpecdecError(f"cannot read tensor {name} in {f}: corrupt or truncated file ({e})") from None
+        bad = count_nonfinite(t) if self.check_finite else 0
+        if bad:
+            raise SpecdecError(f"{f}: tensor {name!r} has {bad} non-finite values; the file is corrupt")
+        return t
 
     def __iter__(self):
         return iter(self._where)
@@ -248,7 +380,8 @@ def load_hf_dir(path: Path) -> tuple[ModelArgs, Mapping[str, torch.Tensor]]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise SpecdecError(f"model directory {path} has no *.safetensors files")
-    return args, LazyTensors(files)
+    # a conversion of ours (DONE written last) was checked finite when it was written
+    return args, LazyTensors(files, check_finite=not (path / "DONE").is_file())
 
 
 def resolve_checkpoint(path: Path, progress=None) -> Path:
