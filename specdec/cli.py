@@ -1,31 +1,55 @@
 """Command line: `specdec generate | serve | models list | models fetch | verify | bench`.
 
-Bad input is one line on stderr naming the value and the allowed range, exit code 2, no traceback.
+Failure modes, each one line on stderr and no traceback (SPECDEC_DEBUG=1 adds it):
+  - bad input (a SpecdecError or an argparse error): names the value and the allowed range, exit 2;
+  - Ctrl-C at any point, start-up included (torch is imported inside `main`'s guard): exit 130;
+  - a closed stdout (`specdec generate ... | head -c 5`): quiet, exit 141 (128 + SIGPIPE);
+  - anything else: names the exception, exit 1.
+Numbers are parsed leniently here (`_int`, `_float` keep what they cannot parse) so that the
+field's own check, written once in specdec.config or where the value is used, names the value
+and its range in the same words as the Python API and the server.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
-import torch
-from rich.progress import Progress
+from specdec.config import DEFAULT_MAX_MODEL_LEN, DRAFT_SAMPLING, DTYPES
+from specdec.errors import SpecdecError, check_text
+from specdec.errors import lenient_float as _float
+from specdec.errors import lenient_int as _int
 
-from specdec.api import LLM
-from specdec.config import DTYPES, SpeculativeConfig
-from specdec.errors import SpecdecError
-from specdec.runtime import hub
-from specdec.runtime.hub import DEFAULT_MODEL
-from specdec.serve.server import add_serve_args, cmd_serve
-from specdec.tools import commands
-from specdec.tools.commands import sampling_params
+EXIT_USAGE, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 2, 130, 141
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"registry name, GGUF file or HF directory (default: {DEFAULT_MODEL})")
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors ("specdec: error: ...", exit 2) like every other bad input."""
+
+    def error(self, message):
+        self.exit(EXIT_USAGE, f"specdec: error: {message} (see: {self.prog} --help)\n")
+
+
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Every option's help ends with its default, unless the help already says it."""
+
+    def _get_help_string(self, action):
+        h = action.help or ""
+        d = action.default
+        if (not action.option_strings or "default" in h.lower() or d is None or d is False
+                or d is argparse.SUPPRESS):
+            return h
+        shown = " ".join(map(str, d)) if isinstance(d, (list, tuple)) else str(d)
+        return f"{h} (default: {shown.replace('%', '%%')})".lstrip()
+
+
+def _add_model_args(p: argparse.ArgumentParser, context: bool = True) -> None:
+    from specdec.runtime.hub import DEFAULT_MODEL
+
+    p.add_argument("--model", default=DEFAULT_MODEL, help="registry name, GGUF file or HF directory")
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="target weight storage: native runs a GGUF's own quantised blocks with int8 "
                         "activations (as llama.cpp does), fp32 dequantises them, bf16 rounds the "
@@ -33,8 +57,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "distribution is reproduced (default: auto = native for a GGUF, fp32 for an "
                         "HF directory)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    p.add_argument("--max-model-len", type=int, default=4096, help="context length cap (default: 4096)")
+    p.add_argument("--threads", type=_int, default=None, help="torch CPU threads, >= 1 (default: torch's)")
+    if context:
+        p.add_argument("--max-model-len", type=_int, default=None,
+                       help=f"context length cap, in [2, the model's context] (default: "
+                            f"{DEFAULT_MAX_MODEL_LEN}, or the model's context if smaller)")
 
 
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
@@ -42,13 +69,13 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--proposer", default=None,
                    help="draft | ngram | composite (n-gram lookup first, the draft model when it "
                         "finds nothing). Default: draft when --draft is given; no speculation otherwise")
-    p.add_argument("--ngram-min", type=int, default=1, help="shortest suffix n-gram to match (default 1)")
-    p.add_argument("--ngram-max", type=int, default=4, help="longest suffix n-gram to match (default 4)")
+    p.add_argument("--ngram-min", type=_int, default=1, help="shortest suffix n-gram to match, [1, 64]")
+    p.add_argument("--ngram-max", type=_int, default=4, help="longest suffix n-gram to match, [1, 64]")
     p.add_argument("--num-draft-tokens", default="auto",
                    help="draft tokens per round k in [0, 32], or 'auto': each round picks k in "
-                        "[0, --max-draft-tokens] from measured acceptance and costs (default auto)")
-    p.add_argument("--max-draft-tokens", type=int, default=8, help="k_max for auto (default 8)")
-    p.add_argument("--draft-sampling", default="probabilistic", choices=["probabilistic", "greedy"],
+                        "[0, --max-draft-tokens] from measured acceptance and costs")
+    p.add_argument("--max-draft-tokens", type=_int, default=8, help="k_max for auto, [0, 32]")
+    p.add_argument("--draft-sampling", default="probabilistic", choices=DRAFT_SAMPLING,
                    help="draft samples from q (probabilistic) or takes its argmax (one-hot q)")
     p.add_argument("--draft-dtype", default="auto", choices=DTYPES,
                    help="draft weight storage (q4_0: its GGUF blocks requantised to Q4_0, the "
@@ -56,23 +83,38 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
                         "acceptance and speed (default: auto, as --dtype)")
 
 
-def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]")
-    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p * max prob, [0, 1]")
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--presence-penalty", type=float, default=0.0)
-    p.add_argument("--frequency-penalty", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+def _add_sampling_args(p: argparse.ArgumentParser, seed_stable: bool = True) -> None:
+    p.add_argument("--temperature", type=_float, default=1.0, help="0 = greedy; [0, 2]")
+    p.add_argument("--top-k", type=_int, default=0, help="keep the k most likely tokens; 0 = off")
+    p.add_argument("--top-p", type=_float, default=1.0, help="nucleus mass in (0, 1]")
+    p.add_argument("--min-p", type=_float, default=0.0, help="drop tokens below min_p * max prob, [0, 1]")
+    p.add_argument("--repetition-penalty", type=_float, default=1.0,
+                   help="divide the logits of tokens seen in prompt or output (HF), (0, 10]")
+    p.add_argument("--presence-penalty", type=_float, default=0.0,
+                   help="subtract from the logits of tokens in the output (OpenAI), [-2, 2]")
+    p.add_argument("--frequency-penalty", type=_float, default=0.0,
+                   help="subtract per occurrence in the output (OpenAI), [-2, 2]")
+    p.add_argument("--seed", type=_int, default=None,
+                   help="random seed in [0, 2**63 - 1] (default: a fresh one each run)")
+    if seed_stable:
+        p.add_argument("--seed-stable", action=argparse.BooleanOptionalAction, default=None,
+                       help="seed-stable sampling: the same --seed gives the same text with "
+                            "speculation on or off and at any k (default: on when --seed is given)")
+    p.add_argument("--max-tokens", type=_int, default=128, help="tokens to generate at most, >= 1")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable; default: none)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding")
+    from specdec.serve.server import add_serve_args
+    from specdec.tools import commands
+
+    ap = _Parser(prog="specdec", description="Lossless speculative decoding", formatter_class=_Help)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    g = sub.add_parser("generate", help="generate text for one prompt")
+
+    def command(parent, name, help):
+        return parent.add_parser(name, help=help, description=help, formatter_class=_Help)
+
+    g = command(sub, "generate", "generate text for one prompt")
     _add_model_args(g)
     _add_spec_args(g)
     _add_sampling_args(g)
@@ -80,21 +122,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     g.add_argument("--stats", action="store_true", help="print speculative metrics after the text")
     g.add_argument("prompt")
-    s = sub.add_parser("serve", help="an OpenAI-compatible server (continuous batching)")
+    s = command(sub, "serve", "an OpenAI-compatible server (continuous batching)")
     _add_model_args(s)
     _add_spec_args(s)
     add_serve_args(s)
-    m = sub.add_parser("models", help="list or fetch the registry's models")
+    m = command(sub, "models", "list or fetch the registry's models")
     msub = m.add_subparsers(dest="models_cmd", required=True)
-    msub.add_parser("list")
-    f = msub.add_parser("fetch")
+    command(msub, "list", "the registry's models: size, quantisation, fetched or not")
+    f = command(msub, "fetch", "download a registry model and check its size and SHA-256")
     f.add_argument("name")
-    v = sub.add_parser("verify", help="statistical test: is the output still exactly the target's?")
-    _add_model_args(v)
+    v = command(sub, "verify", "statistical test: is the output still exactly the target's?")
+    _add_model_args(v, context=False)  # verify sizes its own context (prefix + n)
     _add_spec_args(v)
-    _add_sampling_args(v)
+    _add_sampling_args(v, seed_stable=False)  # --seed seeds the test's own sampling
     commands.add_verify_args(v)
-    b = sub.add_parser("bench", help="tokens/s of speculative settings vs plain decoding (and transformers)")
+    b = command(sub, "bench", "tokens/s of speculative settings vs plain decoding (and transformers)")
     _add_model_args(b)
     _add_spec_args(b)
     _add_sampling_args(b)
@@ -103,21 +145,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_generate(a) -> int:
-    if a.threads is not None:
-        if a.threads < 1:
-            raise SpecdecError(f"threads={a.threads} is out of range; allowed [1, inf)")
-        torch.set_num_threads(a.threads)
-    if a.max_model_len < 2:
-        raise SpecdecError(f"max_model_len={a.max_model_len} is out of range; allowed [2, inf)")
-    if not a.prompt:
-        raise SpecdecError("prompt is empty; it needs at least 1 character")
+    from specdec.api import LLM
+    from specdec.tools.commands import sampling_params, spec_config
+
+    check_text("prompt", a.prompt)
     params = sampling_params(a)
-    spec = None
-    if a.draft is not None or a.proposer is not None:
-        spec = SpeculativeConfig(draft=a.draft, num_draft_tokens=a.num_draft_tokens,
-                                 max_draft_tokens=a.max_draft_tokens,
-                                 draft_sampling=a.draft_sampling, draft_dtype=a.draft_dtype,
-                                 proposer=a.proposer, ngram_min=a.ngram_min, ngram_max=a.ngram_max)
+    spec = spec_config(a)
+    if a.threads is not None:
+        import torch
+
+        torch.set_num_threads(a.threads)
     progress = (lambda s: print(s, file=sys.stderr, flush=True))
     llm = LLM(a.model, speculative_config=spec, dtype=a.dtype, device=a.device,
               max_model_len=a.max_model_len, max_batch=1, progress=progress)
@@ -141,9 +178,9 @@ def cmd_generate(a) -> int:
                        "decode_s": out.decode_s,
                        "decode_tokens_per_s": n / out.decode_s if out.decode_s > 0 else 0.0},
             "stats": out.stats,
-        }))
+        }), flush=True)
     else:
-        print()
+        print(flush=True)
         if a.stats:
             print(json.dumps(out.stats), file=sys.stderr)
             print(f"[prompt {n_prompt} tokens in {out.prefill_s:.3f} s ({n_prompt / max(out.prefill_s, 1e-9):.0f} tok/s), "
@@ -154,28 +191,81 @@ def cmd_generate(a) -> int:
 
 
 def cmd_models(a) -> int:
+    from specdec.runtime import hub
+
     if a.models_cmd == "list":
         for name, spec in hub.REGISTRY.items():
             state = "fetched" if hub.is_fetched(name) else "not fetched"
             print(f"{name:22s} {spec.size / 1e6:7.0f} MB  {spec.quantisation:10s} {state:12s} {spec.description}")
         return 0
-    with Progress() as prog:
+    from rich.console import Console
+    from rich.progress import Progress
+
+    if a.name not in hub.REGISTRY:  # before the progress bar: the error is then the only line
+        raise SpecdecError(f"unknown model {a.name!r}; known: {', '.join(hub.REGISTRY)}", "name")
+    with Progress(console=Console(stderr=True)) as prog:  # stdout carries only the path
         task = prog.add_task(f"fetch {a.name}", total=None)
         path = hub.fetch(a.name, progress=lambda s: prog.update(task, description=s))
     print(path)
     return 0
 
 
-def main(argv=None) -> int:
-    a = build_parser().parse_args(argv)
+def _dispatch(a) -> int:
+    from specdec.tools import commands
+
+    if a.cmd == "models":
+        return cmd_models(a)
+    commands.check_common(a)
+    if a.cmd == "serve":
+        from specdec.serve.server import cmd_serve
+
+        return cmd_serve(a)
+    return {"generate": cmd_generate, "verify": commands.cmd_verify, "bench": commands.cmd_bench}[a.cmd](a)
+
+
+def _say(line: str) -> None:
     try:
-        return {"generate": cmd_generate, "models": cmd_models, "serve": cmd_serve,
-                "verify": commands.cmd_verify, "bench": commands.cmd_bench}[a.cmd](a)
+        print(f"specdec: {line}", file=sys.stderr, flush=True)
+    except (OSError, ValueError):  # stderr gone too: nothing left to tell
+        pass
+
+
+def _silence_stdout() -> None:
+    """After a broken pipe: point stdout at /dev/null so the interpreter's final flush does not
+    raise a second BrokenPipeError (the Python docs' recipe, signal module, "Note on SIGPIPE")."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
+def main(argv=None) -> int:
+    debug = os.environ.get("SPECDEC_DEBUG", "") not in ("", "0")
+    try:
+        a = build_parser().parse_args(argv)
+        return _dispatch(a)
     except SpecdecError as e:
-        print(f"specdec: error: {e}", file=sys.stderr)
-        return 2
+        if debug:
+            import traceback
+            traceback.print_exc()
+        _say(f"error: {e}")
+        return EXIT_USAGE
     except KeyboardInterrupt:
-        return 130
+        _say("interrupted")
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
+    except Exception as e:
+        import traceback
+
+        if debug:
+            traceback.print_exc()
+        msg = " ".join(str(e).split())[:200]
+        _say(f"internal error: {type(e).__name__}{': ' + msg if msg else ''} "
+             "(set SPECDEC_DEBUG=1 for the traceback)")
+        return 1
 
 
 if __name__ == "__main__":

@@ -6,9 +6,12 @@ naming the field, the value and the allowed range.
 
 from __future__ import annotations
 
+import numbers
+import os
 from dataclasses import dataclass, field
 
-from specdec.errors import SpecdecError, check_range
+from specdec.errors import (SpecdecError, check_bool, check_choice, check_float, check_int, check_text,
+                            show)
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,18 @@ class ModelArgs:
         )
 
 
+MAX_DRAFT_TOKENS = 32
+MAX_LOGPROBS = 20  # top log-probabilities per token (OpenAI's limit)
+MAX_TEMPERATURE = 2.0  # OpenAI's limit; past it the distribution is close to uniform noise
+MAX_REPETITION_PENALTY = 10.0
+MAX_STOP = 16  # stop strings per request
+MAX_SEED = 2**63 - 1  # a seed is an int64 everywhere (torch.Generator, the server, tensors)
+MAX_TOKEN_ID = 2**31 - 1
+MAX_NGRAM = 64
+MAX_BATCH = 256  # rows decoded together (KV rows)
+DEFAULT_MAX_MODEL_LEN = 4096  # context cap unless asked (the model's own, if smaller)
+
+
 @dataclass
 class SamplingParams:
     """How to turn the target's logits into the next token.
@@ -107,28 +122,43 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None  # report the emitted tokens' log-probabilities and this many top ones
+    # Seed-stable sampling (docs/lossless.md): position t's token is the argmax of the log-
+    # probabilities plus Gumbel noise drawn from (seed, t), so a seed gives the same text with
+    # speculation on or off, at any k, alone or batched. None: on when a seed is given.
+    seed_stable: bool | None = None
 
     def __post_init__(self):
-        check_range("temperature", self.temperature, 0.0, 100.0)
-        if not isinstance(self.top_k, int):
-            raise SpecdecError(f"top_k={self.top_k!r} must be an integer >= 0 (0 disables it)")
-        check_range("top_k", self.top_k, 0, None)
-        check_range("top_p", self.top_p, 0.0, 1.0, lo_open=True)
-        check_range("min_p", self.min_p, 0.0, 1.0)
-        check_range("repetition_penalty", self.repetition_penalty, 0.0, None, lo_open=True)
-        check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        if not isinstance(self.max_tokens, int):
-            raise SpecdecError(f"max_tokens={self.max_tokens!r} must be an integer >= 1")
-        check_range("max_tokens", self.max_tokens, 1, None)
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if any(not s for s in self.stop):
-            raise SpecdecError("stop strings must be non-empty")
+        # each field's type and range, written once: the CLI, the Python API and the server all
+        # construct SamplingParams, so they all refuse the same values with the same message
+        self.temperature = check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        self.top_k = check_int("top_k", self.top_k, 0, None, "; 0 disables it")
+        self.top_p = check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        self.min_p = check_float("min_p", self.min_p, 0.0, 1.0)
+        self.repetition_penalty = check_float("repetition_penalty", self.repetition_penalty, 0.0,
+                                              MAX_REPETITION_PENALTY, lo_open=True)
+        self.presence_penalty = check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        self.frequency_penalty = check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        self.max_tokens = check_int("max_tokens", self.max_tokens, 1, None)
+        self.stop = check_stop(self.stop)
+        self.stop_token_ids = check_token_ids("stop_token_ids", self.stop_token_ids)
+        self.ignore_eos = check_bool("ignore_eos", self.ignore_eos)
+        if self.seed is not None:
+            self.seed = check_int("seed", self.seed, 0, MAX_SEED)
         if self.logprobs is not None:
-            if isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int):
-                raise SpecdecError(f"logprobs={self.logprobs!r} must be an integer in [0, {MAX_LOGPROBS}]")
-            check_range("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+            self.logprobs = check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        check_bool("seed_stable", self.seed_stable, optional=True)
+
+    def check_vocab(self, vocab: int) -> None:
+        """Token ids past the vocabulary (known only once a model is loaded) are refused too."""
+        bad = next((t for t in self.stop_token_ids if t >= vocab), None)
+        if bad is not None:
+            raise SpecdecError(f"stop_token_ids has {bad}; allowed token ids [0, {vocab - 1}]",
+                               "stop_token_ids")
+
+    @property
+    def stable(self) -> bool:
+        """Seed-stable sampling in effect (see `seed_stable`)."""
+        return self.seed is not None if self.seed_stable is None else self.seed_stable
 
     @property
     def greedy(self) -> bool:
@@ -140,8 +170,6 @@ class SamplingParams:
                 or self.frequency_penalty != 0.0)
 
 
-MAX_DRAFT_TOKENS = 32
-MAX_LOGPROBS = 20  # top log-probabilities per token (OpenAI's limit)
 DEFAULT_MAX_DRAFT_TOKENS = 8  # k_max of adaptive k: past ~8 the verify cost grows (kernels bench)
 DRAFT_SAMPLING = ("probabilistic", "greedy")
 # weight storage: fp32, bf16 (rounded), native (the GGUF's own quantised blocks), q4_0 (those
@@ -165,32 +193,75 @@ class SpeculativeConfig:
     ngram_max: int = 4
 
     def __post_init__(self):
+        if self.draft is not None:
+            if isinstance(self.draft, os.PathLike):
+                self.draft = os.fspath(self.draft)
+            if not isinstance(self.draft, str) or not self.draft:
+                raise SpecdecError(f"draft={show(self.draft)} is not a model; allowed: a registry "
+                                   "name, a .gguf file or a Hugging Face directory", "draft")
         if self.proposer is None:
             self.proposer = "draft" if self.draft is not None else "ngram"
-        if self.proposer not in PROPOSERS:
-            raise SpecdecError(f"proposer={self.proposer!r}; allowed: {', '.join(PROPOSERS)}")
+        check_choice("proposer", self.proposer, PROPOSERS)
         if self.proposer in ("draft", "composite") and self.draft is None:
-            raise SpecdecError(f"proposer={self.proposer!r} needs a draft model (--draft MODEL)")
+            raise SpecdecError(f"proposer={self.proposer!r} needs a draft model (--draft MODEL)", "draft")
         check_ngram_range(self.ngram_min, self.ngram_max)
         self.num_draft_tokens = parse_num_draft_tokens(self.num_draft_tokens)
-        if isinstance(self.max_draft_tokens, bool) or not isinstance(self.max_draft_tokens, int):
-            raise SpecdecError(
-                f"max_draft_tokens={self.max_draft_tokens!r} must be an integer in [0, {MAX_DRAFT_TOKENS}]")
-        check_range("max_draft_tokens", self.max_draft_tokens, 0, MAX_DRAFT_TOKENS)
-        if self.draft_dtype not in DTYPES:
-            raise SpecdecError(f"draft_dtype={self.draft_dtype!r}; allowed: {', '.join(DTYPES)}")
-        if self.draft_sampling not in DRAFT_SAMPLING:
-            raise SpecdecError(
-                f"draft_sampling={self.draft_sampling!r}; allowed: {', '.join(DRAFT_SAMPLING)}")
+        self.max_draft_tokens = check_int("max_draft_tokens", self.max_draft_tokens, 0, MAX_DRAFT_TOKENS)
+        check_choice("draft_dtype", self.draft_dtype, DTYPES)
+        check_choice("draft_sampling", self.draft_sampling, DRAFT_SAMPLING)
+
+    def check_unused(self) -> None:
+        """Refuse settings this configuration would ignore (a user who set them expects them to
+        matter). Called at the faces (LLM, the CLI), not by internal builders that fill every
+        field, such as `specdec bench`, which shares one max_draft_tokens across fixed and auto k."""
+        if self.proposer == "ngram":
+            if self.draft is not None:
+                raise SpecdecError(f"draft={self.draft!r} is not used by proposer='ngram'; allowed: "
+                                   "proposer draft or composite with a draft, or no draft", "draft")
+            for name, default in (("draft_dtype", "auto"), ("draft_sampling", "probabilistic")):
+                if getattr(self, name) != default:
+                    raise SpecdecError(f"{name}={getattr(self, name)!r} applies to a draft model, and "
+                                       "proposer='ngram' has none; allowed: proposer draft or composite",
+                                       name)
+        if self.proposer == "draft" and (self.ngram_min, self.ngram_max) != (1, 4):
+            raise SpecdecError(f"ngram_min={self.ngram_min}, ngram_max={self.ngram_max} apply to n-gram "
+                               "lookup, which proposer='draft' does not use; allowed: proposer ngram or "
+                               "composite", "ngram_min")
+        if self.num_draft_tokens != "auto" and self.max_draft_tokens != DEFAULT_MAX_DRAFT_TOKENS:
+            raise SpecdecError(f"max_draft_tokens={self.max_draft_tokens} is not used with num_draft_tokens="
+                               f"{self.num_draft_tokens}; allowed: num_draft_tokens='auto', or "
+                               f"max_draft_tokens left at {DEFAULT_MAX_DRAFT_TOKENS}", "max_draft_tokens")
 
 
-def check_ngram_range(n_min: int, n_max: int) -> None:
-    if n_min < 1:
-        raise SpecdecError(f"ngram_min={n_min} is out of range; allowed [1, ngram_max]")
+def check_ngram_range(n_min, n_max) -> None:
+    check_int("ngram_min", n_min, 1, MAX_NGRAM)
+    check_int("ngram_max", n_max, 1, MAX_NGRAM)
     if n_max < n_min:
-        raise SpecdecError(f"ngram_min={n_min} > ngram_max={n_max}; need 1 <= ngram_min <= ngram_max")
-    if n_max > 64:
-        raise SpecdecError(f"ngram_max={n_max} is out of range; allowed [ngram_min, 64]")
+        raise SpecdecError(f"ngram_min={n_min} > ngram_max={n_max}; need 1 <= ngram_min <= ngram_max "
+                           f"<= {MAX_NGRAM}", "ngram_min")
+
+
+def check_stop(stop) -> list[str]:
+    """A string or a list of at most MAX_STOP non-empty strings, as a list."""
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+        raise SpecdecError(f"stop={show(stop)} is not a string or a list of strings; allowed: up to "
+                           f"{MAX_STOP} non-empty strings", "stop")
+    if len(stop) > MAX_STOP:
+        raise SpecdecError(f"stop has {len(stop)} strings; allowed at most {MAX_STOP}", "stop")
+    for s in stop:
+        if not s:
+            raise SpecdecError("stop has an empty string; allowed: non-empty strings", "stop")
+        check_text("stop", s)
+    return list(stop)
+
+
+def check_token_ids(name: str, ids) -> list[int]:
+    """A list of token ids, each an integer >= 0 (the vocabulary bound is checked with the model)."""
+    if not isinstance(ids, (list, tuple)):
+        raise SpecdecError(f"{name}={show(ids)} is not a list of token ids; allowed: integers >= 0", name)
+    return [check_int(name, t, 0, MAX_TOKEN_ID) for t in ids]
 
 
 def parse_num_draft_tokens(value) -> int | str:
@@ -202,10 +273,9 @@ def parse_num_draft_tokens(value) -> int | str:
         try:
             value = int(v)
         except ValueError:
-            raise SpecdecError(f"num_draft_tokens={value!r} must be 'auto' or an integer in "
-                               f"[0, {MAX_DRAFT_TOKENS}]") from None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise SpecdecError(
-            f"num_draft_tokens={value!r} must be 'auto' or an integer in [0, {MAX_DRAFT_TOKENS}]")
-    check_range("num_draft_tokens", value, 0, MAX_DRAFT_TOKENS)
-    return value
+            raise SpecdecError(f"num_draft_tokens={value!r} is not 'auto' or an integer; allowed 'auto' "
+                               f"or [0, {MAX_DRAFT_TOKENS}]", "num_draft_tokens") from None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise SpecdecError(f"num_draft_tokens={show(value)} is not 'auto' or an integer; allowed 'auto' "
+                           f"or [0, {MAX_DRAFT_TOKENS}]", "num_draft_tokens")
+    return check_int("num_draft_tokens", value, 0, MAX_DRAFT_TOKENS)

@@ -10,6 +10,7 @@ directory in fp32; see specdec.config.DTYPES for the rest.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import torch
 
 from specdec.config import DEFAULT_MAX_DRAFT_TOKENS, DTYPES, SpeculativeConfig
 from specdec.engine import Engine
-from specdec.errors import SpecdecError
+from specdec.errors import SpecdecError, check_choice
 from specdec.proposers import CompositeProposer, DraftModelProposer, NgramProposer
 from specdec.runtime.hub import REGISTRY, model_path, resolve_model
 from specdec.runtime.kernels.quant import QuantTensor, requantise
@@ -153,3 +154,15 @@ def build_engine(models: Models, spec: SpeculativeConfig | None = None, max_mode
 def with_models(models: Models, target=None, draft=None) -> Models:
     """The same models with the target and / or draft replaced (a memo or test wrapper)."""
     return dataclasses.replace(models, target=target or models.target, draft=draft or models.draft)
+
+
+def check_model_dtype(field: str, dtype, model, model_field: str) -> None:
+    """dtype (DTYPES) for `model`: native and q4_0 need a GGUF, so an existing Hugging Face
+    directory is refused here, naming the flag it came from (--dtype or --draft-dtype)."""
+    check_choice(field, dtype, DTYPES)
+    if dtype not in ("native", "q4_0") or not isinstance(model, (str, os.PathLike)):
+        return
+    name = os.fspath(model)
+    if name not in REGISTRY and Path(name).suffix.lower() != ".gguf" and Path(name).expanduser().is_dir():
+        raise SpecdecError(f"{field}={dtype!r} needs a GGUF file, but {model_field} {name!r} is a Hugging "
+                           "Face directory; allowed for it: auto, fp32, bf16", field)

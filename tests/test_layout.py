@@ -99,11 +99,14 @@ def test_cycle_finder_catches_a_circle():
     assert ["specdec.config", "specdec.sampling"] in _cycles(graph)
 
 
-def test_function_level_imports_only_the_lazy_api():
-    """`import specdec` stays cheap: its LLM attribute imports the API on first use. Every other
-    import of the package's own modules is at module level."""
+def test_function_level_imports_only_the_lazy_faces():
+    """`import specdec` stays cheap: its LLM attribute imports the API on first use. The CLI
+    imports the heavy modules (torch under them) inside `main`'s error guard, so that Ctrl-C
+    during start-up is a one-line exit 130, not a traceback. Every other import of the package's
+    own modules is at module level."""
     _, nested = _graph()
-    assert nested == [("specdec", "specdec.api")]
+    assert ("specdec", "specdec.api") in nested
+    assert {m for m, _ in nested} <= {"specdec", "specdec.cli"}, nested
 
 
 def test_engine_imported_only_by_faces_and_tools():

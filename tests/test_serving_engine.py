@@ -134,15 +134,17 @@ def test_logprobs_equal_plain_and_reference(target, params, draft_seed):
 def test_logprobs_refused_out_of_range():
     with pytest.raises(ValueError, match=r"logprobs=21 is out of range; allowed \[0, 20\]"):
         SamplingParams(logprobs=21)
-    with pytest.raises(ValueError, match="logprobs=True must be an integer"):
+    with pytest.raises(ValueError, match=r"logprobs=True is not an integer; allowed \[0, 20\]"):
         SamplingParams(logprobs=True)
 
 
+@pytest.mark.parametrize("stable", [False, True])
 @pytest.mark.parametrize("proposer", ["draft", "ngram"])
-def test_a_seed_reproduces_whatever_else_runs(target, proposer):
+def test_a_seed_reproduces_whatever_else_runs(target, proposer, stable):
     """A seeded request's dice depend on its own rounds only: alone, or in a batch whose other
     rows draft more or fewer tokens (an n-gram's misses, rows cut short by max_tokens), it
-    samples the same tokens (fixed k; adaptive k chooses from clocks, see docs)."""
+    samples the same tokens. Standard rejection sampling (seed_stable=False) at a fixed k, and
+    seed-stable sampling (the default with a seed; any k: tests/test_seeds.py)."""
     from specdec.proposers import NgramProposer
 
     def engine():
@@ -150,10 +152,11 @@ def test_a_seed_reproduces_whatever_else_runs(target, proposer):
             if proposer == "draft" else NgramProposer(1, 3)
         return Engine(target, None, prop, num_draft_tokens=4, max_seq_len=CTX, vocab_size=V, max_batch=4)
 
-    mine = SamplingParams(temperature=1.0, max_tokens=40, seed=42)
+    mine = SamplingParams(temperature=1.0, max_tokens=40, seed=42, seed_stable=stable)
     alone = engine().generate([A], mine)[0]
     others = [SamplingParams(temperature=0.8, max_tokens=n, seed=s) for n, s in [(2, 1), (5, 2), (40, 3)]]
     crowd = engine().generate([A, B, [1, 2, 3] * 5, SHARED], [mine] + others)
     assert crowd[0].output == alone.output and alone.stats.draft_tokens > 0
     # negative control: another seed gives another sample
-    assert engine().generate([A], SamplingParams(temperature=1.0, max_tokens=40, seed=43))[0].output != alone.output
+    assert engine().generate([A], SamplingParams(temperature=1.0, max_tokens=40, seed=43, seed_stable=stable)
+                             )[0].output != alone.output

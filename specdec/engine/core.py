@@ -98,8 +98,6 @@ class Engine:
         if rng is None:
             rng = (rejection.GumbelStream(params.seed) if params.stable
                    else rejection.TorchRng(params.seed, self.model.device))
-        assert not (params.stable and not params.greedy) or hasattr(rng, "gumbel"), \
-            "a seed-stable request draws its noise from a GumbelStream"
         row, reuse = self._pick_row(list(prompt) + list(output_prefix))
         self.free_rows.remove(row)
         req = Request(id=self._next_id, prompt=list(prompt), params=params, row=row, rng=rng,

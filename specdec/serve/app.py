@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdec.errors import SpecdecError
-from specdec.serve.protocol import MAX_SEED, BadRequest, ChatCompletionRequest, CompletionRequest
+from specdec.serve.protocol import BadRequest, ChatCompletionRequest, CompletionRequest
 from specdec.serve.scheduler import Event, Job, QueueFull
 
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|.*\[.*\]|function-.*)$")
@@ -130,12 +130,8 @@ def create_app(scheduler, tokenizer, model_name: str, context_length: int, vocab
             if wanted is not None and max_tokens_cap is not None and wanted > max_tokens_cap:
                 raise BadRequest(f"{field}={wanted}; this server allows at most {max_tokens_cap}", field)
             mt = wanted if wanted is not None else min(room, max_tokens_cap or room)
-            params = body.sampling_params(mt, logprobs, vocab)
-            for j in range(body.n):
-                if body.seed is not None and j:  # choice j: its own dice, reproducible
-                    params = body.sampling_params(mt, logprobs, vocab)
-                    params.seed = (body.seed + j) % (MAX_SEED + 1)
-                out.append((p_i, ids, params))
+            for j in range(body.n):  # with a seed, choice j samples with seed + j
+                out.append((p_i, ids, body.sampling_params(mt, logprobs, vocab, choice=j)))
         return out
 
     async def run(request: Request, body, prompts, logprobs, chat: bool, prompt_field: str):

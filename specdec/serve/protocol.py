@@ -2,22 +2,26 @@
 
 Strict: a field of the wrong type, out of its range, unknown, or not supported here is refused
 with a 400 that names it (`BadRequest`, or pydantic's validation error turned into one by
-specdec.serve.app), never ignored or clamped. top_k, min_p, repetition_penalty, ignore_eos and
-stop_token_ids are extensions (vLLM's names).
+specdec.serve.app), never ignored or clamped. The sampling fields are typed `Any` here on purpose:
+SamplingParams checks their type and range, the one place each is written, so a request gets the
+same message as the CLI and the Python API. top_k, min_p, repetition_penalty, ignore_eos and
+stop_token_ids are extensions (vLLM's names), and seed_stable is ours (see SamplingParams).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import dataclasses
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from specdec.config import MAX_LOGPROBS, SamplingParams
+from specdec.config import MAX_LOGPROBS, MAX_SEED, SamplingParams
 from specdec.errors import SpecdecError
 
 MAX_N = 16  # choices per request
-MAX_STOP = 16  # stop strings per request
-MAX_SEED = 2**63 - 1
+# the request fields SamplingParams checks (null: its default)
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "seed", "seed_stable")
 
 
 class BadRequest(Exception):
@@ -27,6 +31,19 @@ class BadRequest(Exception):
                  kind: str = "invalid_request_error"):
         super().__init__(message)
         self.message, self.param, self.status, self.kind = message, param, status, kind
+
+
+def _text(value):
+    """Strings a request carries are text: a lone surrogate (JSON "\\ud800") cannot be
+    tokenised, so it is refused here, as a 400 naming the field."""
+    for s in value if isinstance(value, list) else [value]:
+        if isinstance(s, str):
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"not valid UTF-8 (a lone surrogate at character {e.start}); "
+                                 "allowed: UTF-8 text") from None
+    return value
 
 
 class _Strict(BaseModel):
@@ -40,47 +57,45 @@ class StreamOptions(_Strict):
 class _Sampling(_Strict):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    # extensions (vLLM's names)
-    top_k: int = Field(0, ge=-1)  # 0 or -1: off
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    # checked by SamplingParams (SAMPLING_FIELDS)
+    temperature: Any = None
+    top_p: Any = None
+    stop: Any = None
+    seed: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    # extensions (vLLM's names; top_k -1 is vLLM's "off", taken as 0)
+    top_k: Any = None
+    min_p: Any = None
+    repetition_penalty: Any = None
+    ignore_eos: Any = None
+    stop_token_ids: Any = None
+    seed_stable: Any = None  # ours: the same seed gives the same text at any k (SamplingParams)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, vocab: int) -> SamplingParams:
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stop) > MAX_STOP:
-            raise BadRequest(f"stop has {len(stop)} strings; allowed at most {MAX_STOP}", "stop")
-        if any(not s for s in stop):
-            raise BadRequest("stop strings must be non-empty", "stop")
+    def sampling_params(self, max_tokens: int, logprobs: int | None, vocab: int,
+                        choice: int = 0) -> SamplingParams:
+        """The request's SamplingParams for choice `choice` (with a seed, choice j samples with
+        seed + j: its own dice, reproducible). Every sampling field is checked here."""
         if self.logit_bias:
             raise BadRequest("logit_bias is not supported by this server", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise BadRequest("stream_options is only allowed with stream=true", "stream_options")
-        for t in self.stop_token_ids or []:
-            if not 0 <= t < vocab:
-                raise BadRequest(f"stop_token_ids has {t}; allowed token ids are [0, {vocab})", "stop_token_ids")
+        kw = {name: getattr(self, name) for name in SAMPLING_FIELDS if getattr(self, name) is not None}
+        if type(self.top_k) is int and self.top_k == -1:
+            kw["top_k"] = 0
         try:
-            return SamplingParams(
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p, top_k=max(self.top_k, 0),
-                min_p=self.min_p, repetition_penalty=self.repetition_penalty,
-                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                max_tokens=max_tokens, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
-                ignore_eos=self.ignore_eos, seed=self.seed, logprobs=logprobs)
+            params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kw)
+            params.check_vocab(vocab)
+            if choice and params.seed is not None:
+                params = dataclasses.replace(params, seed=(params.seed + choice) % (MAX_SEED + 1))
         except SpecdecError as e:
-            raise BadRequest(str(e), str(e).split("=", 1)[0] if "=" in str(e) else None) from None
+            raise BadRequest(str(e), e.field) from None
+        return params
 
     def wanted_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -92,6 +107,8 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+
+    _prompt_text = field_validator("prompt")(_text)
 
     def check_unsupported(self) -> None:
         if self.echo:
@@ -106,11 +123,15 @@ class TextPart(_Strict):
     type: Literal["text"]
     text: str
 
+    _valid = field_validator("text")(_text)
+
 
 class Message(_Strict):
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[TextPart]
     name: str | None = None
+
+    _valid = field_validator("content")(_text)
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)

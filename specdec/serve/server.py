@@ -16,6 +16,7 @@ import threading
 import torch
 import uvicorn
 
+from specdec.api import context_length
 from specdec.config import SpeculativeConfig
 from specdec.errors import SpecdecError, check_range
 from specdec.loader import build_engine, load_models
@@ -57,7 +58,6 @@ def cmd_serve(a) -> int:
     check_range("max_batch", a.max_batch, 1, 256)
     check_range("max_waiting", a.max_waiting, 0, None)
     check_range("prefill_chunk", a.prefill_chunk, 1, None)
-    check_range("max_model_len", a.max_model_len, 2, None)
     if a.max_tokens_cap is not None:
         check_range("max_tokens_cap", a.max_tokens_cap, 1, None)
     if a.threads is not None:
@@ -73,12 +73,12 @@ def cmd_serve(a) -> int:
     progress = (lambda s: print(s, file=sys.stderr, flush=True))
     draft = a.draft if spec is not None and spec.proposer != "ngram" else None
     models = load_models(a.model, draft, a.dtype, spec.draft_dtype if spec else "auto", a.device, progress)
-    ctx = models.context_length(a.max_model_len)
+    ctx = context_length(models, a.max_model_len)  # above the model's own: an error, not a cap
     max_batch = a.max_batch
     if a.kv_cache_tokens is not None:
         check_range("kv_cache_tokens", a.kv_cache_tokens, ctx, None)
         max_batch = a.kv_cache_tokens // ctx
-    engine = build_engine(models, spec, max_model_len=a.max_model_len, max_batch=max_batch)
+    engine = build_engine(models, spec, max_model_len=ctx, max_batch=max_batch)
     engine.prefill_chunk = a.prefill_chunk
     name = a.served_model_name or a.model
     metrics = ServerMetrics(name)

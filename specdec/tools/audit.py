@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from specdec import rejection
-from specdec.config import SamplingParams, SpeculativeConfig
-from specdec.errors import SpecdecError
+from specdec.config import MAX_SEED, SamplingParams, SpeculativeConfig
+from specdec.errors import SpecdecError, check_choice, check_float, check_int, check_text
 from specdec.loader import Models, build_engine, with_models
 from specdec.metrics import SpecStats
 from specdec.runtime.kv_cache import KVCache
@@ -201,15 +201,21 @@ class VerifySettings:
     control: str | None = None
 
     def __post_init__(self):
-        if self.n < 1 or self.n > 8:
-            raise SpecdecError(f"n={self.n} is out of range; allowed [1, 8]")
-        if self.samples < 100:
-            raise SpecdecError(f"samples={self.samples} is out of range; allowed [100, inf)")
+        self.n = check_int("n", self.n, 1, 8)
+        self.samples = check_int("samples", self.samples, 100, None)
+        self.max_seconds = check_float("max_seconds", self.max_seconds, 0.0, None, lo_open=True)
+        if self.batch is not None:
+            self.batch = check_int("batch", self.batch, 1, None)
+        self.seed = check_int("seed", self.seed, 0, MAX_SEED)
+        self.alpha = check_float("alpha", self.alpha, 0.0, 1.0, lo_open=True, hi_open=True)
+        self.power = check_float("power", self.power, 0.0, 1.0, lo_open=True, hi_open=True)
+        if self.prefix is not None:
+            check_text("prefix", self.prefix)
         if self.control is not None:
-            if self.control not in CONTROLS:
-                raise SpecdecError(f"control={self.control!r}; allowed: {', '.join(CONTROLS)}")
+            check_choice("control", self.control, CONTROLS)
             if self.params.greedy:
-                raise SpecdecError("--control redraw-from-p needs temperature > 0 (greedy never redraws)")
+                raise SpecdecError("--control redraw-from-p needs temperature > 0 (greedy never redraws)",
+                                   "control")
 
 
 def run_verify(models: Models, s: VerifySettings, progress=None) -> dict:

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 from pathlib import Path
 
-from specdec.errors import SpecdecError
+from specdec.errors import SpecdecError, check_text, show
 
 CHAT_PROMPTS = [  # written for specdec; open-ended, nothing in the prompt to copy
     "Explain why the sky looks blue during the day and red at sunset.",
@@ -50,21 +51,55 @@ def _humaneval_items(n: int | None) -> list[str]:
     return items[:n] if n else items
 
 
+SETS = ("humaneval", "chat", "copy")
+
+
 def load_prompts(name: str, n: int | None = None) -> list[str]:
+    """A named set, or a JSON Lines file of {"prompt": "..."} objects (blank lines skipped)."""
     if name == "humaneval":
         return humaneval(n)
     if name == "chat":
         return CHAT_PROMPTS[:n] if n else list(CHAT_PROMPTS)
     if name == "copy":
         return copy_heavy(n)
-    p = Path(name)
-    if p.suffix == ".jsonl" and p.is_file():
-        out = []
-        for i, line in enumerate(p.read_text().splitlines()):
-            if line.strip():
-                obj = json.loads(line)
-                if "prompt" not in obj:
-                    raise SpecdecError(f"{p}:{i + 1}: each line needs a \"prompt\" field")
-                out.append(obj["prompt"])
-        return out[:n] if n else out
-    raise SpecdecError(f"unknown prompt set {name!r}; allowed: humaneval, chat, copy, or a FILE.jsonl")
+    p = Path(name).expanduser()
+    if not (p.suffix.lower() == ".jsonl" or "/" in name or os.sep in name or p.exists()):
+        raise SpecdecError(f"unknown prompt set {name!r}; allowed: {', '.join(SETS)}, or a FILE.jsonl",
+                           "prompts")
+    if not p.exists():
+        raise SpecdecError(f"prompts file {name} does not exist; allowed: {', '.join(SETS)}, or an "
+                           "existing FILE.jsonl", "prompts")
+    if not p.is_file():
+        raise SpecdecError(f"prompts file {name} is not a file; allowed: a FILE.jsonl", "prompts")
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise SpecdecError(f"cannot read prompts file {name}: {e.strerror}", "prompts") from None
+    out = []
+    for i, raw in enumerate(data.splitlines()):
+        where = f"{name}:{i + 1}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise SpecdecError(f"{where}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                               "allowed: one JSON object per line, UTF-8", "prompts") from None
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SpecdecError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); allowed: one "
+                               "{\"prompt\": \"...\"} object per line", "prompts") from None
+        if not isinstance(obj, dict) or "prompt" not in obj:
+            raise SpecdecError(f"{where}: each line needs a \"prompt\" field; allowed: one "
+                               "{\"prompt\": \"...\"} object per line", "prompts")
+        prompt = obj["prompt"]
+        if not isinstance(prompt, str):
+            raise SpecdecError(f"{where}: prompt={show(prompt)} is not a string; allowed: non-empty text",
+                               "prompts")
+        try:
+            check_text("prompt", prompt)
+        except SpecdecError as e:
+            raise SpecdecError(f"{where}: {e}", "prompts") from None
+        out.append(prompt)
+    return out[:n] if n else out
