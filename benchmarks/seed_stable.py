@@ -20,25 +20,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 import warnings
 
 import torch
+from serve import cpu_name  # (benchmarks/serve.py: the CPU named in every log)
 
 PAIRS = {"qwen": ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "draft", "humaneval"),
          "smollm2": ("smollm2-135m", None, "ngram", "copy")}
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def noise_ms(V: int, reps: int = 50) -> float:

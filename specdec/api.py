@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from specdec.config import DEFAULT_MAX_MODEL_LEN, MAX_BATCH, SamplingParams, SpeculativeConfig
 from specdec.errors import SpecdecError, check_bool, check_int, check_text, show
+from specdec.grammar import check_constraint
 from specdec.loader import build_engine, check_model_dtype, load_models
 from specdec.runtime.hub import DEFAULT_MODEL
 
@@ -132,6 +133,7 @@ class LLM:
         params = SamplingParams() if sampling_params is None else from_fields(
             SamplingParams, sampling_params, "sampling_params")
         params.check_vocab(self.models.vocab)
+        check_constraint(params)
         check_bool("raw", raw)
         if on_text is not None and not callable(on_text):
             raise SpecdecError(f"on_text={show(on_text)} is not callable; allowed: a function(id, text) "

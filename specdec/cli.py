@@ -83,7 +83,7 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
                         "acceptance and speed (default: auto, as --dtype)")
 
 
-def _add_sampling_args(p: argparse.ArgumentParser, seed_stable: bool = True) -> None:
+def _add_sampling_args(p: argparse.ArgumentParser, seed_stable: bool = True, constraints: bool = True) -> None:
     p.add_argument("--temperature", type=_float, default=1.0, help="0 = greedy; [0, 2]")
     p.add_argument("--top-k", type=_int, default=0, help="keep the k most likely tokens; 0 = off")
     p.add_argument("--top-p", type=_float, default=1.0, help="nucleus mass in (0, 1]")
@@ -100,8 +100,19 @@ def _add_sampling_args(p: argparse.ArgumentParser, seed_stable: bool = True) -> 
         p.add_argument("--seed-stable", action=argparse.BooleanOptionalAction, default=None,
                        help="seed-stable sampling: the same --seed gives the same text with "
                             "speculation on or off and at any k (default: on when --seed is given)")
+    if constraints:
+        _add_constraint_args(p)
     p.add_argument("--max-tokens", type=_int, default=128, help="tokens to generate at most, >= 1")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable; default: none)")
+
+
+def _add_constraint_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json-schema", default=None, metavar="FILE|JSON",
+                   help="structured output: the text is JSON valid under this schema (a file, or the "
+                        "schema itself); '{\"type\": \"object\"}' for any JSON object")
+    p.add_argument("--regex", default=None, help="structured output: the text matches this regular expression")
+    p.add_argument("--grammar", default=None, metavar="FILE",
+                   help="structured output: the text follows this Lark grammar (llguidance's dialect)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     v = command(sub, "verify", "statistical test: is the output still exactly the target's?")
     _add_model_args(v, context=False)  # verify sizes its own context (prefix + n)
     _add_spec_args(v)
-    _add_sampling_args(v, seed_stable=False)  # --seed seeds the test's own sampling
+    _add_sampling_args(v, seed_stable=False, constraints=False)  # --seed seeds the test's own sampling
     commands.add_verify_args(v)
     b = command(sub, "bench", "tokens/s of speculative settings vs plain decoding (and transformers)")
     _add_model_args(b)

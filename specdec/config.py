@@ -126,6 +126,12 @@ class SamplingParams:
     # probabilities plus Gumbel noise drawn from (seed, t), so a seed gives the same text with
     # speculation on or off, at any k, alone or batched. None: on when a seed is given.
     seed_stable: bool | None = None
+    # Structured output (specdec.grammar, llguidance): at most one of a JSON schema (a dict or its
+    # JSON text; {"type": "object"} for any JSON object), a regular expression, or a Lark grammar.
+    # Every candidate position's p and q are masked to what the grammar allows there.
+    json_schema: dict | str | None = None
+    regex: str | None = None
+    grammar: str | None = None
 
     def __post_init__(self):
         # each field's type and range, written once: the CLI, the Python API and the server all
@@ -147,6 +153,19 @@ class SamplingParams:
         if self.logprobs is not None:
             self.logprobs = check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         check_bool("seed_stable", self.seed_stable, optional=True)
+        self.json_schema = check_schema(self.json_schema)
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None:
+                check_text(name, getattr(self, name))
+        given = [n for n in ("json_schema", "regex", "grammar") if getattr(self, n) is not None]
+        if len(given) > 1:
+            raise SpecdecError(f"{' and '.join(given)} are both set; allowed: at most one of json_schema, "
+                               "regex, grammar", given[1])
+
+    @property
+    def constrained(self) -> bool:
+        """A grammar constrains the output (json_schema, regex or grammar)."""
+        return self.json_schema is not None or self.regex is not None or self.grammar is not None
 
     def check_vocab(self, vocab: int) -> None:
         """Token ids past the vocabulary (known only once a model is loaded) are refused too."""
@@ -255,6 +274,24 @@ def check_stop(stop) -> list[str]:
             raise SpecdecError("stop has an empty string; allowed: non-empty strings", "stop")
         check_text("stop", s)
     return list(stop)
+
+
+def check_schema(schema) -> dict | None:
+    """A JSON schema as a dict: given as one, or as its JSON text."""
+    if schema is None or isinstance(schema, dict):
+        return schema
+    if isinstance(schema, str):
+        import json
+
+        try:
+            value = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise SpecdecError(f"json_schema is not valid JSON ({e.msg} at character {e.pos}); allowed: "
+                               "a JSON schema object", "json_schema") from None
+        if isinstance(value, dict):
+            return value
+    raise SpecdecError(f"json_schema={show(schema)} is not a JSON schema object; allowed: a dict or its "
+                       "JSON text", "json_schema")
 
 
 def check_token_ids(name: str, ids) -> list[int]:

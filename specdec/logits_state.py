@@ -1,8 +1,8 @@
 """Per-request logits state: what the sampling chain needs besides the logits, at every candidate
 position of a round, and how committed tokens update it.
 
-A history-dependent transform (repetition, presence and frequency penalties today; a grammar
-matcher next) must see each position's own prefix during verification: position i of a round sees
+A history-dependent transform (repetition, presence and frequency penalties; a grammar's mask,
+specdec.grammar) must see each position's own prefix during verification: position i of a round sees
 the committed tokens plus drafts d_1..d_i-1, on p and on q alike (docs/pitfalls.md 7). A `LogitsState`
 answers `inputs(drafts)` for the k + 1 positions without changing itself, and `commit(token)` for
 each token the engine commits; rejected drafts never touch it, so there is nothing to roll back.
@@ -29,6 +29,7 @@ class LogitsInputs:
 
     counts: torch.Tensor | None = None  # [T, V] float: occurrences in the output before each position
     seen: torch.Tensor | None = None  # [T, V] bool: occurs in prompt or output before each position
+    mask: torch.Tensor | None = None  # [T, V] bool: tokens a grammar allows at each position
 
 
 NO_INPUTS = LogitsInputs()
@@ -78,10 +79,41 @@ class PenaltyState:
         self.seen[token] = True
 
 
-def new_state(params: SamplingParams, vocab_size: int, prompt: list[int], device) -> LogitsState:
+class CombinedState:
+    """Several states of one request (penalties and a grammar): each answers its own fields."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+
+    def inputs(self, drafts: torch.Tensor, last_only: bool = False) -> LogitsInputs:
+        out = LogitsInputs()
+        for part in self.parts:
+            got = part.inputs(drafts, last_only)
+            for f in FIELDS:
+                if getattr(got, f) is not None:
+                    setattr(out, f, getattr(got, f))
+        return out
+
+    def commit(self, token: int) -> None:
+        for part in self.parts:
+            part.commit(token)
+
+
+FIELDS = ("counts", "seen", "mask")
+
+
+def new_state(params: SamplingParams, vocab_size: int, prompt: list[int], device,
+              grammar=None) -> LogitsState:
+    """The request's state: penalties if it has any, and `grammar` (a specdec.grammar.GrammarState
+    built by the engine, which knows the tokenizer) if it is constrained."""
+    parts = []
     if params.has_penalties:
-        return PenaltyState(vocab_size, prompt, device)
-    return NoState()
+        parts.append(PenaltyState(vocab_size, prompt, device))
+    if grammar is not None:
+        parts.append(grammar)
+    if not parts:
+        return NoState()
+    return parts[0] if len(parts) == 1 else CombinedState(parts)
 
 
 def sampling_groups(reqs) -> list[tuple[SamplingParams, object, list[int]]]:
@@ -93,7 +125,7 @@ def sampling_groups(reqs) -> list[tuple[SamplingParams, object, list[int]]]:
     groups: dict[tuple, list[int]] = {}
     for b, r in enumerate(reqs):
         p = r.params
-        plain_argmax = p.greedy and not p.has_penalties and p.logprobs is None
+        plain_argmax = p.greedy and not p.has_penalties and p.logprobs is None and not p.constrained
         if plain_argmax:
             key = ("argmax",)
         elif p.stable and not p.greedy:  # each row's noise comes from its own stream
@@ -108,6 +140,6 @@ def stacked_inputs(reqs, idx: list[int], drafts: list[torch.Tensor], last_only: 
     """Rows idx's inputs stacked as [sum_b T_b, V] (T_b = len(drafts[b]) + 1), in row order;
     last_only: only each row's last position ([len(idx), V])."""
     parts = [reqs[b].logits_state.inputs(drafts[b], last_only) for b in idx]
-    if parts[0].counts is None:  # (rows of a group share params: all need inputs, or none)
-        return NO_INPUTS
-    return LogitsInputs(torch.cat([p.counts for p in parts]), torch.cat([p.seen for p in parts]))
+    # (rows of a group share params: every row has a field, or none has)
+    return LogitsInputs(**{f: None if getattr(parts[0], f) is None else torch.cat([getattr(p, f) for p in parts])
+                           for f in FIELDS})

@@ -36,6 +36,8 @@ class Request:
     tokens: list[int]  # committed: prompt + output
     output: list[int] = field(default_factory=list)
     logits_state: LogitsState = field(default_factory=NoState)
+    grammar: object | None = None  # specdec.grammar.GrammarState when the output is constrained (also
+    # inside logits_state): the engine asks it whether the grammar is complete
     detok: object | None = None  # specdec.runtime.tokenizer.IncrementalDetokenizer
     text: str = ""
     streamed: int = 0  # characters of `text` already handed to the caller

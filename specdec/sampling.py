@@ -1,8 +1,9 @@
-"""Logits -> sampling distributions: penalties, temperature, top-k, top-p, min-p.
+"""Logits -> sampling distributions: grammar mask, penalties, temperature, top-k, top-p, min-p.
 
 Pure functions on tensors. The same chain turns target logits into p and draft logits into q, at
 every position, so that speculative verification compares the distributions that sampling
-actually uses (docs/pitfalls.md 1). Order: penalties -> temperature -> top-k -> top-p -> min-p.
+actually uses (docs/pitfalls.md 1). Order: grammar mask -> penalties -> temperature -> top-k ->
+top-p -> min-p.
 
 Penalties see each position's own prefix: `counts` [N, V] holds, for the row being scored, how
 often each token occurs in the generated output before that position (drafts included), and
@@ -17,8 +18,12 @@ from specdec.config import SamplingParams
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor | None,
-                    seen: torch.Tensor | None) -> torch.Tensor:
-    """logits [N, V]; counts [N, V] float (output tokens); seen [N, V] bool (prompt + output)."""
+                    seen: torch.Tensor | None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The history-dependent transforms: a grammar's mask (disallowed tokens -> -inf), then the
+    penalties. logits [N, V]; counts [N, V] float (output tokens); seen [N, V] bool (prompt +
+    output); mask [N, V] bool (allowed tokens) or None."""
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf"))
     if not params.has_penalties:
         return logits
     logits = logits.clone()
@@ -57,29 +62,31 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
-def probabilities(logits: torch.Tensor, params: SamplingParams, counts=None, seen=None) -> torch.Tensor:
+def probabilities(logits: torch.Tensor, params: SamplingParams, counts=None, seen=None,
+                  mask=None) -> torch.Tensor:
     """The sampling distribution [N, V] (float64-normalised fp32 softmax) for temperature > 0."""
-    logits = filter_logits(apply_penalties(logits.float(), params, counts, seen), params)
+    logits = filter_logits(apply_penalties(logits.float(), params, counts, seen, mask), params)
     return logits.softmax(-1)
 
 
 def stable_tokens(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor, counts=None,
-                  seen=None) -> torch.Tensor:
+                  seen=None, mask=None) -> torch.Tensor:
     """Seed-stable sampling: argmax [N] of the transformed logits [N, V] plus Gumbel noise [N, V]
     (Gumbel-max: a sample of `probabilities(logits, ...)`, decided by the noise alone)."""
-    return (filter_logits(apply_penalties(logits.float(), params, counts, seen), params) + noise).argmax(-1)
+    return (filter_logits(apply_penalties(logits.float(), params, counts, seen, mask), params) + noise).argmax(-1)
 
 
-def greedy_tokens(logits: torch.Tensor, params: SamplingParams, counts=None, seen=None) -> torch.Tensor:
-    """argmax [N] of the penalised logits [N, V] (temperature == 0)."""
-    return apply_penalties(logits.float(), params, counts, seen).argmax(-1)
+def greedy_tokens(logits: torch.Tensor, params: SamplingParams, counts=None, seen=None,
+                  mask=None) -> torch.Tensor:
+    """argmax [N] of the masked, penalised logits [N, V] (temperature == 0)."""
+    return apply_penalties(logits.float(), params, counts, seen, mask).argmax(-1)
 
 
-def logprobs(logits: torch.Tensor, params: SamplingParams, counts=None, seen=None) -> torch.Tensor:
+def logprobs(logits: torch.Tensor, params: SamplingParams, counts=None, seen=None, mask=None) -> torch.Tensor:
     """log-probabilities [N, V] after the request's transforms: log_softmax of the penalised
     logits for greedy requests, of the filtered (temperature, top-k/p, min-p) logits otherwise,
     so removed tokens get -inf. What the API reports for each emitted token."""
-    lg = apply_penalties(logits.float(), params, counts, seen)
+    lg = apply_penalties(logits.float(), params, counts, seen, mask)
     if not params.greedy:
         lg = filter_logits(lg, params)
     return lg.log_softmax(-1)

@@ -291,7 +291,9 @@ BAD = [  # (path, body, status, the field the message must name)
     (CH, {**GOOD_CH, "top_logprobs": 3}, 400, "top_logprobs"),
     (CH, {**GOOD_CH, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     (CH, {**GOOD_CH, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
-    (CH, {**GOOD_CH, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    (CH, {**GOOD_CH, "response_format": {"type": "xml"}}, 400, "response_format"),
+    (CH, {**GOOD_CH, "response_format": {"type": "json_schema"}}, 400, "response_format"),
+    (C, {**GOOD_C, "guided_regex": "(unclosed"}, 400, "regex"),
     (CH, {**GOOD_CH, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
 ]
 
@@ -320,6 +322,40 @@ def test_bad_input_is_a_clear_4xx_and_touches_no_other_request(spec_server, clie
     assert raw(spec_server, "POST", C, json.dumps({**GOOD_C, "prompt": big}))[0] == 413
     t.join(120)
     assert len(good) == 2 and good[0] == good[1] and good[0]
+
+
+def test_structured_output(spec_server, client, plain_llm):
+    """response_format json_schema and json_object, and the guided_regex extension: the answer
+    is valid under its constraint, equals plain decoding under the same schema (greedy), and
+    finishes with "stop"; a schema the library refuses is a 400 naming response_format."""
+    import jsonschema
+
+    from specdec.config import SamplingParams
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "population": {"type": "integer", "minimum": 0}},
+              "required": ["city", "population"], "additionalProperties": False}
+    msgs = [{"role": "user", "content": "Name a large city and its population, as JSON."}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=80, temperature=0,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "city", "schema": schema}})
+    text = r.choices[0].message.content
+    jsonschema.validate(json.loads(text), schema)
+    assert r.choices[0].finish_reason == "stop"
+    tok = plain_llm.models.tokenizer
+    ids = tok.encode(tok.apply_chat_template(msgs), add_special_tokens=False)
+    want = plain_llm.generate([ids], SamplingParams(temperature=0, max_tokens=80, json_schema=schema))[0]
+    assert text == want.text
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=80, temperature=0.7, seed=5,
+                                       response_format={"type": "json_object"})
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    r = client.completions.create(model=MODEL, prompt="The year is", max_tokens=8, temperature=1.0,
+                                  extra_body={"guided_regex": " (19|20)[0-9]{2}"})
+    assert re.fullmatch(r" (19|20)[0-9]{2}", r.choices[0].text), r.choices[0].text
+    bad = {"model": MODEL, "messages": msgs, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "strnig"}}}}}}
+    got, text = raw(spec_server, "POST", "/v1/chat/completions", json.dumps(bad))
+    assert got == 400 and "json_schema" in text, text
 
 
 def test_full_queue_answers_429_and_recovers():

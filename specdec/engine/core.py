@@ -16,11 +16,12 @@ their protocols (specdec.proposers.base.Proposer, specdec.engine.adaptive.KPolic
 
 from __future__ import annotations
 
+import json
 import time
 
 import torch
 
-from specdec import rejection, sampling
+from specdec import grammar, rejection, sampling
 from specdec.config import DEFAULT_MAX_DRAFT_TOKENS, MAX_DRAFT_TOKENS, SamplingParams
 from specdec.engine.adaptive import k_policy
 from specdec.errors import SpecdecError, check_range
@@ -40,7 +41,7 @@ class Engine:
     def __init__(self, model, tokenizer: Tokenizer | None, proposer: Proposer | None = None,
                  num_draft_tokens: int | str = 0, max_batch: int = 8, max_seq_len: int | None = None,
                  vocab_size: int | None = None, max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS,
-                 k_cost=None, prefill_chunk: int | None = None):
+                 k_cost=None, prefill_chunk: int | None = None, grammar_tokenizer=None):
         """num_draft_tokens: a fixed k, or "auto" for adaptive k in [0, max_draft_tokens]
         (specdec.engine.adaptive; k_cost optionally fixes its cost model). prefill_chunk: most
         prompt tokens fed per step (chunked prefill: a long prompt stalls the running rows for
@@ -59,6 +60,8 @@ class Engine:
         if prefill_chunk is not None:
             check_range("prefill_chunk", prefill_chunk, 1, None)
         self.prefill_chunk = prefill_chunk
+        self._grammar_tokenizer = grammar_tokenizer  # llguidance's view of the vocabulary (lazy)
+        self._compiled: dict[tuple, str] = {}  # constraint -> compiled grammar
         self.cache = model.new_cache(1, self.max_seq_len, headroom=MAX_DRAFT_TOKENS + 1)
         self.eos_ids = tokenizer.eos_token_ids if tokenizer is not None else frozenset()
         self.free_rows = [0]  # least recently freed first
@@ -98,11 +101,12 @@ class Engine:
         if rng is None:
             rng = (rejection.GumbelStream(params.seed) if params.stable
                    else rejection.TorchRng(params.seed, self.model.device))
+        grammar = self._grammar(params) if params.constrained else None
         row, reuse = self._pick_row(list(prompt) + list(output_prefix))
         self.free_rows.remove(row)
         req = Request(id=self._next_id, prompt=list(prompt), params=params, row=row, rng=rng,
-                      tokens=list(prompt),
-                      logits_state=new_state(params, self.V, prompt, self.model.device),
+                      tokens=list(prompt), grammar=grammar,
+                      logits_state=new_state(params, self.V, prompt, self.model.device, grammar),
                       detok=IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None)
         self._next_id += 1
         for t in output_prefix:  # resume (used by exact-distribution tests)
@@ -117,6 +121,21 @@ class Engine:
         self.policy.begin(req)
         self.active.append(req)
         return req
+
+    def _grammar(self, params: SamplingParams):
+        """The request's grammar state (specdec.grammar), compiled for this vocabulary."""
+        if self._grammar_tokenizer is None:
+            if self.tokenizer is None:
+                raise SpecdecError("structured output needs the model's tokenizer; this engine has none")
+            self._grammar_tokenizer = grammar.grammar_tokenizer(self.tokenizer, self.V)
+        key = (json.dumps(params.json_schema, sort_keys=True), params.regex, params.grammar)
+        compiled = self._compiled.get(key)
+        if compiled is None:  # (a server sees the same few schemas again and again)
+            if len(self._compiled) >= 256:
+                self._compiled.clear()
+            compiled = self._compiled[key] = grammar.compile_grammar(
+                json_schema=params.json_schema, regex=params.regex, grammar=params.grammar)
+        return grammar.GrammarState(self._grammar_tokenizer, compiled, self.V, self.model.device)
 
     def abort(self, req: Request) -> None:
         """End a request now (finish_reason "abort" unless it had finished) and free its rows in
@@ -261,6 +280,15 @@ class Engine:
         assert prop.parents is None, "draft trees are not verified yet: a proposal is a chain"
         if prop.source is None:
             prop.source = [self.proposer.name] * B
+        # The first draft a row's grammar rejects ends its drafts (verification would reject it:
+        # p = 0 there). Only for one-hot drafts: there the residual after rejecting it is p
+        # itself, so sampling p directly is the same. A sampled draft's q is masked like p and
+        # never drafts such a token; were it not, cutting would replace the residual by p and
+        # bias the output (tests/test_structured.py).
+        for b, r in enumerate(reqs):
+            n = int(prop.num_draft[b])
+            if r.grammar is not None and n and prop.q is None:
+                prop.num_draft[b] = r.grammar.accepted_prefix(prop.tokens[b, :n].tolist())
         self.policy.observe_draft(max(ks), t_draft, prop)
         return prop, t_draft
 
@@ -304,18 +332,18 @@ class Engine:
             inp = stacked_inputs(reqs, idx, drafts[:, :w])  # [G (w + 1), V] per-position penalties
             flat = logits[ix, : w + 1].flatten(0, 1)  # [G (w + 1), V]
             if params.greedy:
-                am = sampling.greedy_tokens(flat, params, inp.counts, inp.seen).view(len(idx), w + 1)
+                am = sampling.greedy_tokens(flat, params, inp.counts, inp.seen, inp.mask).view(-1, w + 1)
                 o, n = rejection.greedy_verify(am, d, num_draft[ix])
             elif params.stable:  # each position's token is fixed by its noise: accept iff equal
                 noise = rejection.stable_noise(reqs, idx, w + 1, flat.shape[-1], flat.device)
-                am = sampling.stable_tokens(flat, params, noise, inp.counts, inp.seen).view(len(idx), w + 1)
+                am = sampling.stable_tokens(flat, params, noise, inp.counts, inp.seen, inp.mask).view(-1, w + 1)
                 o, n = rejection.greedy_verify(am, d, num_draft[ix])
             else:
-                p = sampling.probabilities(flat, params, inp.counts, inp.seen).view(len(idx), w + 1, -1)
+                p = sampling.probabilities(flat, params, inp.counts, inp.seen, inp.mask).view(-1, w + 1, self.V)
                 o, n = rejection.stochastic_verify(p, None if q is None else q[ix, :w], d, num_draft[ix], rng)
             out[ix, : w + 1], n_emit[ix] = o, n
             if params.logprobs is not None:
-                lp = sampling.logprobs(flat, params, inp.counts, inp.seen).view(len(idx), w + 1, -1)
+                lp = sampling.logprobs(flat, params, inp.counts, inp.seen, inp.mask).view(-1, w + 1, self.V)
                 chosen = lp.gather(2, o.clamp(min=0).unsqueeze(2)).squeeze(2)  # [G, w + 1] (-1: not emitted)
                 top = lp.topk(params.logprobs, dim=-1) if params.logprobs else None
                 for g, b in enumerate(idx):
@@ -393,6 +421,8 @@ class Engine:
                     r.finish_reason = "stop"
                     return
         if (t in self.eos_ids and not p.ignore_eos) or t in p.stop_token_ids:
+            r.finish_reason = "stop"
+        elif r.grammar is not None and r.grammar.stopped:  # the grammar is complete
             r.finish_reason = "stop"
         elif len(r.output) >= p.max_tokens or len(r.tokens) >= self.max_seq_len:
             r.finish_reason = "length"

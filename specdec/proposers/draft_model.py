@@ -154,15 +154,15 @@ class DraftModelProposer(ProposerBase):
             inp = stacked_inputs(reqs, idx, drafted, last_only=True)
             lg = logits[ix]
             if params.greedy:
-                d[ix] = sampling.greedy_tokens(lg, params, inp.counts, inp.seen)
+                d[ix] = sampling.greedy_tokens(lg, params, inp.counts, inp.seen, inp.mask)
             elif self.draft_sampling == "greedy":
                 d[ix] = sampling.filter_logits(
-                    sampling.apply_penalties(lg.float(), params, inp.counts, inp.seen), params).argmax(-1)
+                    sampling.apply_penalties(lg.float(), params, inp.counts, inp.seen, inp.mask), params).argmax(-1)
             elif params.stable:  # the target's noise at this position: q coupled to p, no q needed
                 noise = rejection.stable_noise(reqs, idx, 1, lg.shape[-1], lg.device, start=drafted.shape[1])
-                d[ix] = sampling.stable_tokens(lg, params, noise, inp.counts, inp.seen)
+                d[ix] = sampling.stable_tokens(lg, params, noise, inp.counts, inp.seen, inp.mask)
             else:
-                probs = sampling.probabilities(lg, params, inp.counts, inp.seen)
+                probs = sampling.probabilities(lg, params, inp.counts, inp.seen, inp.mask)
                 d[ix] = rng.categorical(probs)
                 q[ix] = probs
         return d, q

@@ -5,7 +5,9 @@ with a 400 that names it (`BadRequest`, or pydantic's validation error turned in
 specdec.serve.app), never ignored or clamped. The sampling fields are typed `Any` here on purpose:
 SamplingParams checks their type and range, the one place each is written, so a request gets the
 same message as the CLI and the Python API. top_k, min_p, repetition_penalty, ignore_eos and
-stop_token_ids are extensions (vLLM's names), and seed_stable is ours (see SamplingParams).
+stop_token_ids and guided_json / guided_regex / guided_grammar are extensions (vLLM's names), and
+seed_stable is ours (see SamplingParams). Chat's response_format json_object and json_schema
+constrain the output (specdec.grammar).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from specdec.config import MAX_LOGPROBS, MAX_SEED, SamplingParams
 from specdec.errors import SpecdecError
+from specdec.grammar import check_constraint
 
 MAX_N = 16  # choices per request
 # the request fields SamplingParams checks (null: its default)
@@ -76,6 +79,15 @@ class _Sampling(_Strict):
     ignore_eos: Any = None
     stop_token_ids: Any = None
     seed_stable: Any = None  # ours: the same seed gives the same text at any k (SamplingParams)
+    # structured output (vLLM's names): a JSON schema, a regex, a Lark grammar
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_grammar: Any = None
+
+    def constraint(self) -> dict:
+        """SamplingParams' structured-output fields from the request (at most one is allowed)."""
+        kw = {"json_schema": self.guided_json, "regex": self.guided_regex, "grammar": self.guided_grammar}
+        return {k: v for k, v in kw.items() if v is not None}
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, vocab: int,
                         choice: int = 0) -> SamplingParams:
@@ -89,8 +101,9 @@ class _Sampling(_Strict):
         if type(self.top_k) is int and self.top_k == -1:
             kw["top_k"] = 0
         try:
-            params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kw)
+            params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kw, **self.constraint())
             params.check_vocab(vocab)
+            check_constraint(params)
             if choice and params.seed is not None:
                 params = dataclasses.replace(params, seed=(params.seed + choice) % (MAX_SEED + 1))
         except SpecdecError as e:
@@ -137,8 +150,16 @@ class Message(_Strict):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
+class JsonSchemaFormat(_Strict):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Strict):
-    type: str
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -151,10 +172,22 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
 
+    def constraint(self) -> dict:
+        """response_format json_object / json_schema, or the guided_* extensions (not both)."""
+        kw = super().constraint()
+        rf = self.response_format
+        if rf is None or rf.type == "text":
+            return kw
+        if kw:
+            raise BadRequest(f"response_format {rf.type!r} and {next(iter(kw))} are both set; allowed: one "
+                             "constraint", "response_format")
+        if rf.type == "json_object":
+            return {"json_schema": {"type": "object"}}
+        if rf.json_schema is None:
+            raise BadRequest("response_format type 'json_schema' needs its json_schema.schema", "response_format")
+        return {"json_schema": rf.json_schema.schema_}
+
     def check_unsupported(self) -> None:
-        if self.response_format is not None and self.response_format.type != "text":
-            raise BadRequest(f"response_format type {self.response_format.type!r} is not supported yet; "
-                             "allowed: 'text'", "response_format")
         if self.tools or self.tool_choice not in (None, "none"):
             raise BadRequest("tools are not supported by this server", "tools")
         if self.top_logprobs is not None and not self.logprobs:

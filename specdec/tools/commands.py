@@ -18,6 +18,7 @@ from specdec.api import context_length
 from specdec.errors import SpecdecError, check_int
 from specdec.errors import lenient_float as _float
 from specdec.errors import lenient_int as _int
+from specdec.grammar import check_constraint
 from specdec.loader import check_model_dtype, load_models
 from specdec.runtime.hub import resolve_model
 from specdec.tools import bench
@@ -28,11 +29,29 @@ from specdec.tools.prompts import load_prompts
 def sampling_params(a, seed=True) -> SamplingParams:
     """The shared sampling flags (cli._add_sampling_args) as SamplingParams (seed=False: without
     the seed, for verify, whose --seed seeds its own sampler)."""
-    return SamplingParams(
+    params = SamplingParams(
         temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
         repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
         frequency_penalty=a.frequency_penalty, seed=a.seed if seed else None, max_tokens=a.max_tokens,
-        stop=a.stop, seed_stable=getattr(a, "seed_stable", None))
+        stop=a.stop, seed_stable=getattr(a, "seed_stable", None),
+        json_schema=_file_or_text("json_schema", getattr(a, "json_schema", None), inline_if="{"),
+        regex=getattr(a, "regex", None), grammar=_file_or_text("grammar", getattr(a, "grammar", None)))
+    check_constraint(params)
+    return params
+
+
+def _file_or_text(name: str, value: str | None, inline_if: str | None = None) -> str | None:
+    """A flag that takes a file (or, when it starts with `inline_if`, the text itself)."""
+    if value is None or (inline_if and value.lstrip().startswith(inline_if)):
+        return value
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise SpecdecError(f"{name}={value!r}: no such file; allowed: a readable file"
+                           + (" or the JSON text itself" if inline_if else ""), name)
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecdecError(f"{name}={value!r} cannot be read ({e}); allowed: a UTF-8 text file", name) from None
 
 
 # the speculation flags and their SpeculativeConfig fields (cli._add_spec_args)

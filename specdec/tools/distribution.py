@@ -110,9 +110,10 @@ def full_forward_logits(model, max_seq_len: int = 64):
 
 
 def next_token_probs(logits_fn, prompt: list[int], prefixes: list[tuple], params: SamplingParams,
-                     V: int, chunk: int = 64) -> torch.Tensor:
+                     V: int, chunk: int = 64, mask_fn=None) -> torch.Tensor:
     """p(. | prompt + prefix) [P, V] float64 after the sampling transforms, penalties counted on
-    each prefix as the engine counts them (repetition: prompt + output; others: output)."""
+    each prefix as the engine counts them (repetition: prompt + output; others: output), and a
+    grammar's mask_fn(prefix) -> [V] bool (the tokens it allows there) applied first."""
     rows = []
     for s in range(0, len(prefixes), chunk):
         part = prefixes[s:s + chunk]
@@ -126,13 +127,14 @@ def next_token_probs(logits_fn, prompt: list[int], prefixes: list[tuple], params
                 for t in prefix:
                     counts[b, t] += 1
                     seen[b, t] = True
-        rows.append(sampling.probabilities(logits, params, counts, seen).double())
+        mask = None if mask_fn is None else torch.stack([mask_fn(tuple(p)) for p in part])
+        rows.append(sampling.probabilities(logits, params, counts, seen, mask).double())
     return torch.cat(rows)
 
 
 @torch.inference_mode()
 def target_joint(logits_fn, prompt: list[int], params: SamplingParams, V: int, n: int = 3,
-                 min_prob: float = 0.0) -> dict:
+                 min_prob: float = 0.0, mask_fn=None) -> dict:
     """{first n tokens: prod_i p(x_i | prompt, x_<i)}, level by level (one batched logits_fn call
     per level). Prefixes with probability < min_prob are not expanded: their mass goes to REST,
     computed as 1 - the listed mass, so the listed cells are exact and the dict sums to 1."""
@@ -140,7 +142,7 @@ def target_joint(logits_fn, prompt: list[int], params: SamplingParams, V: int, n
     level = {(): 1.0}
     for depth in range(n):
         prefixes = list(level)
-        probs = next_token_probs(logits_fn, prompt, prefixes, params, V)
+        probs = next_token_probs(logits_fn, prompt, prefixes, params, V, mask_fn=mask_fn)
         nxt: dict = {}
         for prefix, row in zip(prefixes, probs):
             w = level[prefix]
@@ -154,9 +156,10 @@ def target_joint(logits_fn, prompt: list[int], params: SamplingParams, V: int, n
     return joint
 
 
-def target_joint_exact(target, prompt: list[int], params: SamplingParams, n: int = 3) -> dict:
-    """The exact joint by plain full forwards (tiny models: every branch)."""
-    return target_joint(full_forward_logits(target), prompt, params, target.args.vocab_size, n)
+def target_joint_exact(target, prompt: list[int], params: SamplingParams, n: int = 3, mask_fn=None) -> dict:
+    """The exact joint by plain full forwards (tiny models: every branch); mask_fn: a grammar's
+    allowed tokens after each prefix (structured output's constrained joint)."""
+    return target_joint(full_forward_logits(target), prompt, params, target.args.vocab_size, n, mask_fn=mask_fn)
 
 
 def impossible_samples(logits_fn, prompt, params, V, keys) -> list[tuple]:
