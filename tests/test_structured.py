@@ -7,8 +7,9 @@ Exact enumeration on tiny models (V = 4: tokens "a", "b", "c" and EOS) under the
 every branch of its dice enumerated through its own propose / verify / commit code, equals the
 target's constrained joint (p masked by the grammar at each prefix, renormalised) to 1e-6, for
 k in {1, 2, 3}, full and one-hot q, and the n-gram proposer. Negative controls the same test must
-reject: verification that ignores the grammar (only the draft obeys it), and a matcher that is
-not rolled back after the drafts are walked.
+reject: verification that ignores the grammar (only the draft obeys it); the mask on p for the
+acceptance test only, with q and the residual unmasked; a matcher that is not rolled back after
+the drafts are walked; drafts cut at the first refused one while q is unmasked.
 """
 
 from __future__ import annotations
@@ -144,6 +145,42 @@ def test_control_verification_ignores_the_grammar(models, lltok, monkeypatch):
     monkeypatch.setattr(core, "stacked_inputs",
                         lambda *a, **kw: LogitsInputs(**{**original(*a, **kw).__dict__, "mask": None}))
     monkeypatch.setattr(G.GrammarState, "commit", _lenient_commit)  # (else the matcher refuses the bug)
+    target, draft = models
+    params = SETTINGS["plain"]
+    want = target_joint_exact(target, PROMPT, params, mask_fn=_mask_fn(lltok))
+    got = engine_joint_exact(_engine(target, DraftModelProposer(draft, V, 32), 2, lltok), PROMPT, params)
+    assert _max_diff(got, want) > 1e-2
+    assert any(not _valid(x) for x, w in got.items() if w > 0)
+
+
+def test_control_mask_on_acceptance_only(models, lltok, monkeypatch):
+    """Negative control, the issue's: the mask on p for the acceptance test only, while q stays
+    unmasked and the residual (and the bonus) are computed from the unmasked p. Tokens outside
+    the language leak through the residual, and the exact test sees it."""
+    from specdec import rejection
+    from specdec.engine import core
+    from specdec.logits_state import LogitsInputs
+    from specdec.proposers import draft_model
+
+    saved = {}
+    original = core.stacked_inputs
+
+    def verify_inputs(*a, **kw):
+        inp = original(*a, **kw)
+        saved["mask"] = inp.mask
+        return LogitsInputs(**{**inp.__dict__, "mask": None})
+
+    original_draft = draft_model.stacked_inputs
+    original_acceptance = rejection.acceptance_probs
+
+    def acceptance_with_mask(p, q, draft):  # p [G, k, V]: masked for this test only
+        m = saved["mask"].view(p.shape[0], -1, p.shape[-1])[:, : p.shape[1]]
+        return original_acceptance(p * m, q, draft)
+    monkeypatch.setattr(core, "stacked_inputs", verify_inputs)
+    monkeypatch.setattr(draft_model, "stacked_inputs",
+                        lambda *a, **kw: LogitsInputs(**{**original_draft(*a, **kw).__dict__, "mask": None}))
+    monkeypatch.setattr(rejection, "acceptance_probs", acceptance_with_mask)
+    monkeypatch.setattr(G.GrammarState, "commit", _lenient_commit)
     target, draft = models
     params = SETTINGS["plain"]
     want = target_joint_exact(target, PROMPT, params, mask_fn=_mask_fn(lltok))
