@@ -168,6 +168,30 @@ def check_constraint(params) -> None:
         compile_grammar(json_schema=params.json_schema, regex=params.regex, grammar=params.grammar)
 
 
+class Grammars:
+    """An engine's grammar states: llguidance's view of the vocabulary (built on first use, or
+    given: a test's tiny one) and each constraint compiled once (a server sees the same few
+    schemas again and again)."""
+
+    def __init__(self, tok: Tokenizer | None, vocab_size: int, device, lltok=None):
+        self.tok, self.V, self.device, self.lltok = tok, vocab_size, device, lltok
+        self._compiled: dict[tuple, str] = {}  # constraint -> compiled grammar
+
+    def state(self, params) -> "GrammarState":
+        if self.lltok is None:
+            if self.tok is None:
+                raise SpecdecError("structured output needs the model's tokenizer; this engine has none")
+            self.lltok = grammar_tokenizer(self.tok, self.V)
+        key = (json.dumps(params.json_schema, sort_keys=True), params.regex, params.grammar)
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            if len(self._compiled) >= 256:
+                self._compiled.clear()
+            compiled = self._compiled[key] = compile_grammar(
+                json_schema=params.json_schema, regex=params.regex, grammar=params.grammar)
+        return GrammarState(self.lltok, compiled, self.V, self.device)
+
+
 # ---- the logits state ---------------------------------------------------------------------------
 class GrammarState:
     """The grammar's LogitsState for one request (see specdec.logits_state).

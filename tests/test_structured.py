@@ -111,12 +111,9 @@ def test_unmasked_q_is_exact_but_wasteful(models, lltok, monkeypatch, cut):
     ending such drafts at the first one the grammar rejects, as the engine does for one-hot
     drafts, is NOT exact for a sampled q (the residual [p - q]+ would be replaced by p), and the
     exact test sees it."""
-    from specdec.logits_state import LogitsInputs
     from specdec.proposers import draft_model
 
-    original = draft_model.stacked_inputs
-    monkeypatch.setattr(draft_model, "stacked_inputs",
-                        lambda *a, **kw: LogitsInputs(**{**original(*a, **kw).__dict__, "mask": None}))
+    _strip_mask(monkeypatch, draft_model)
     if cut:
         original_propose = Engine._propose
 
@@ -135,22 +132,39 @@ def test_unmasked_q_is_exact_but_wasteful(models, lltok, monkeypatch, cut):
     assert (_max_diff(got, want) > 1e-3) if cut else (_max_diff(got, want) < 1e-6)
 
 
-def test_control_verification_ignores_the_grammar(models, lltok, monkeypatch):
-    """Negative control: the grammar steers the draft but verification (p) ignores it. The joint
-    puts mass on outputs outside the language, and the exact test sees it."""
-    from specdec.engine import core
+def _strip_mask(monkeypatch, module, keep=None):
+    """Patch `module.stacked_inputs` to drop the grammar's mask (keep: a dict that receives it)."""
     from specdec.logits_state import LogitsInputs
 
-    original = core.stacked_inputs
-    monkeypatch.setattr(core, "stacked_inputs",
-                        lambda *a, **kw: LogitsInputs(**{**original(*a, **kw).__dict__, "mask": None}))
-    monkeypatch.setattr(G.GrammarState, "commit", _lenient_commit)  # (else the matcher refuses the bug)
+    original = module.stacked_inputs
+
+    def stripped(*a, **kw):
+        inp = original(*a, **kw)
+        if keep is not None:
+            keep["mask"] = inp.mask
+        return LogitsInputs(**{**inp.__dict__, "mask": None})
+    monkeypatch.setattr(module, "stacked_inputs", stripped)
+
+
+def _assert_leaks(models, lltok):
+    """The control's joint (draft model, k = 2) differs from the constrained target's and puts
+    mass on outputs outside the language."""
     target, draft = models
     params = SETTINGS["plain"]
     want = target_joint_exact(target, PROMPT, params, mask_fn=_mask_fn(lltok))
     got = engine_joint_exact(_engine(target, DraftModelProposer(draft, V, 32), 2, lltok), PROMPT, params)
     assert _max_diff(got, want) > 1e-2
     assert any(not _valid(x) for x, w in got.items() if w > 0)
+
+
+def test_control_verification_ignores_the_grammar(models, lltok, monkeypatch):
+    """Negative control: the grammar steers the draft but verification (p) ignores it. The joint
+    puts mass on outputs outside the language, and the exact test sees it."""
+    from specdec.engine import core
+
+    _strip_mask(monkeypatch, core)
+    monkeypatch.setattr(G.GrammarState, "commit", _lenient_commit)  # (else the matcher refuses the bug)
+    _assert_leaks(models, lltok)
 
 
 def test_control_mask_on_acceptance_only(models, lltok, monkeypatch):
@@ -159,34 +173,19 @@ def test_control_mask_on_acceptance_only(models, lltok, monkeypatch):
     the language leak through the residual, and the exact test sees it."""
     from specdec import rejection
     from specdec.engine import core
-    from specdec.logits_state import LogitsInputs
     from specdec.proposers import draft_model
 
     saved = {}
-    original = core.stacked_inputs
-
-    def verify_inputs(*a, **kw):
-        inp = original(*a, **kw)
-        saved["mask"] = inp.mask
-        return LogitsInputs(**{**inp.__dict__, "mask": None})
-
-    original_draft = draft_model.stacked_inputs
+    _strip_mask(monkeypatch, core, keep=saved)
+    _strip_mask(monkeypatch, draft_model)
     original_acceptance = rejection.acceptance_probs
 
     def acceptance_with_mask(p, q, draft):  # p [G, k, V]: masked for this test only
         m = saved["mask"].view(p.shape[0], -1, p.shape[-1])[:, : p.shape[1]]
         return original_acceptance(p * m, q, draft)
-    monkeypatch.setattr(core, "stacked_inputs", verify_inputs)
-    monkeypatch.setattr(draft_model, "stacked_inputs",
-                        lambda *a, **kw: LogitsInputs(**{**original_draft(*a, **kw).__dict__, "mask": None}))
     monkeypatch.setattr(rejection, "acceptance_probs", acceptance_with_mask)
     monkeypatch.setattr(G.GrammarState, "commit", _lenient_commit)
-    target, draft = models
-    params = SETTINGS["plain"]
-    want = target_joint_exact(target, PROMPT, params, mask_fn=_mask_fn(lltok))
-    got = engine_joint_exact(_engine(target, DraftModelProposer(draft, V, 32), 2, lltok), PROMPT, params)
-    assert _max_diff(got, want) > 1e-2
-    assert any(not _valid(x) for x, w in got.items() if w > 0)
+    _assert_leaks(models, lltok)
 
 
 def _lenient_commit(self, token):
@@ -241,7 +240,6 @@ def test_statistical_with_grammar(models, lltok, control, monkeypatch):
     run takes minutes (a matcher per row): `make test-slow`; the exact enumeration above checks
     the same algebra in `make test`."""
     from specdec.engine import core
-    from specdec.logits_state import LogitsInputs
     from specdec.tools.distribution import chi_square, noncentrality, sample_engine
 
     target, draft = models
@@ -249,9 +247,7 @@ def test_statistical_with_grammar(models, lltok, control, monkeypatch):
     want = target_joint_exact(target, PROMPT, params, mask_fn=_mask_fn(lltok))
     n = N
     if control:
-        original = core.stacked_inputs
-        monkeypatch.setattr(core, "stacked_inputs",
-                            lambda *a, **kw: LogitsInputs(**{**original(*a, **kw).__dict__, "mask": None}))
+        _strip_mask(monkeypatch, core)
         monkeypatch.setattr(G.GrammarState, "commit", _lenient_commit)
         alt = engine_joint_exact(_engine(target, DraftModelProposer(draft, V, 32), 3, lltok), PROMPT, params)
         n = 20_000

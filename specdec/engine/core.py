@@ -16,7 +16,6 @@ their protocols (specdec.proposers.base.Proposer, specdec.engine.adaptive.KPolic
 
 from __future__ import annotations
 
-import json
 import time
 
 import torch
@@ -60,8 +59,7 @@ class Engine:
         if prefill_chunk is not None:
             check_range("prefill_chunk", prefill_chunk, 1, None)
         self.prefill_chunk = prefill_chunk
-        self._grammar_tokenizer = grammar_tokenizer  # llguidance's view of the vocabulary (lazy)
-        self._compiled: dict[tuple, str] = {}  # constraint -> compiled grammar
+        self.grammars = grammar.Grammars(tokenizer, self.V, model.device, grammar_tokenizer)
         self.cache = model.new_cache(1, self.max_seq_len, headroom=MAX_DRAFT_TOKENS + 1)
         self.eos_ids = tokenizer.eos_token_ids if tokenizer is not None else frozenset()
         self.free_rows = [0]  # least recently freed first
@@ -101,7 +99,7 @@ class Engine:
         if rng is None:
             rng = (rejection.GumbelStream(params.seed) if params.stable
                    else rejection.TorchRng(params.seed, self.model.device))
-        grammar = self._grammar(params) if params.constrained else None
+        grammar = self.grammars.state(params) if params.constrained else None
         row, reuse = self._pick_row(list(prompt) + list(output_prefix))
         self.free_rows.remove(row)
         req = Request(id=self._next_id, prompt=list(prompt), params=params, row=row, rng=rng,
@@ -121,21 +119,6 @@ class Engine:
         self.policy.begin(req)
         self.active.append(req)
         return req
-
-    def _grammar(self, params: SamplingParams):
-        """The request's grammar state (specdec.grammar), compiled for this vocabulary."""
-        if self._grammar_tokenizer is None:
-            if self.tokenizer is None:
-                raise SpecdecError("structured output needs the model's tokenizer; this engine has none")
-            self._grammar_tokenizer = grammar.grammar_tokenizer(self.tokenizer, self.V)
-        key = (json.dumps(params.json_schema, sort_keys=True), params.regex, params.grammar)
-        compiled = self._compiled.get(key)
-        if compiled is None:  # (a server sees the same few schemas again and again)
-            if len(self._compiled) >= 256:
-                self._compiled.clear()
-            compiled = self._compiled[key] = grammar.compile_grammar(
-                json_schema=params.json_schema, regex=params.regex, grammar=params.grammar)
-        return grammar.GrammarState(self._grammar_tokenizer, compiled, self.V, self.model.device)
 
     def abort(self, req: Request) -> None:
         """End a request now (finish_reason "abort" unless it had finished) and free its rows in
@@ -286,8 +269,7 @@ class Engine:
         # never drafts such a token; were it not, cutting would replace the residual by p and
         # bias the output (tests/test_structured.py).
         for b, r in enumerate(reqs):
-            n = int(prop.num_draft[b])
-            if r.grammar is not None and n and prop.q is None:
+            if r.grammar is not None and prop.q is None and (n := int(prop.num_draft[b])):
                 prop.num_draft[b] = r.grammar.accepted_prefix(prop.tokens[b, :n].tolist())
         self.policy.observe_draft(max(ks), t_draft, prop)
         return prop, t_draft
