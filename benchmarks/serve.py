@@ -152,6 +152,21 @@ async def prefix_ttft(url, model, tokenizer_words: list[str], trials: int):
     return statistics.median(cold), statistics.median(warm)
 
 
+def print_table(first: str, levels: list[int], results: dict[str, list[dict]]) -> None:
+    """A Markdown table: a row of aggregate tokens/s per server, a column per concurrency level."""
+    print(f"\n| {first} | " + " | ".join(f"c={c}" for c in levels) + " |")
+    print("|---|" + "---|" * len(levels))
+    for name, rows in results.items():
+        print(f"| {name} tok/s | " + " | ".join(f"{r['tok_s']:.1f}" for r in rows) + " |")
+
+
+def print_ratio(label: str, levels: list[int], top: list[dict], bottom: list[dict]) -> dict[int, float]:
+    """The table's last row: top / bottom tokens/s at each level; returns them by level."""
+    ratios = {c: t["tok_s"] / b["tok_s"] for c, t, b in zip(levels, top, bottom)}
+    print(f"| {label} | " + " | ".join(f"{ratios[c]:.2f}x" for c in levels) + " |")
+    return ratios
+
+
 def our_server(name, a, port, speculative: bool) -> Server:
     cmd = [sys.executable, "-m", "specdec.cli", "serve", "--model", a.model, "--port", str(port),
            "--threads", str(a.threads), "--max-batch", str(max(a.levels)), "--max-model-len", str(a.max_model_len)]
@@ -265,14 +280,10 @@ def main():
         with makers[name](name, free_port()) as srv:
             asyncio.run(level(srv.url, srv.model_id, prompts[:2], 1, 2, 8, False))  # warm-up
             results[name] = [sweep_level(srv, name, c) for c in a.levels]
-    print("\n| server | " + " | ".join(f"c={c}" for c in a.levels) + " |")
-    print("|---|" + "---|" * len(a.levels))
-    for name, rows in results.items():
-        print(f"| {name} tok/s | " + " | ".join(f"{r['tok_s']:.1f}" for r in rows) + " |")
+    print_table("server", a.levels, results)
     ratios = {}
     if "spec" in results and "plain" in results:
-        ratios = {c: s["tok_s"] / p["tok_s"] for c, s, p in zip(a.levels, results["spec"], results["plain"])}
-        print("| spec / plain | " + " | ".join(f"{ratios[c]:.2f}x" for c in a.levels) + " |")
+        ratios = print_ratio("spec / plain", a.levels, results["spec"], results["plain"])
     if a.plot:
         import matplotlib
 

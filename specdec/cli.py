@@ -68,7 +68,11 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None, help="draft model (name, GGUF or HF dir) for speculation")
     p.add_argument("--proposer", default=None,
                    help="draft | ngram | composite (n-gram lookup first, the draft model when it "
-                        "finds nothing). Default: draft when --draft is given; no speculation otherwise")
+                        "finds nothing) | head (a trained draft head: --head DIR, or the one shipped "
+                        "for the model). Default: draft when --draft is given, head when --head is; "
+                        "no speculation otherwise")
+    p.add_argument("--head", default=None, metavar="DIR",
+                   help="a draft head trained by `specdec train-head` (implies --proposer head)")
     p.add_argument("--ngram-min", type=_int, default=1, help="shortest suffix n-gram to match, [1, 64]")
     p.add_argument("--ngram-max", type=_int, default=4, help="longest suffix n-gram to match, [1, 64]")
     p.add_argument("--num-draft-tokens", default="auto",
@@ -116,6 +120,8 @@ def _add_constraint_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from specdec.distributed.pipeline import add_pipeline_args
+    from specdec.head import train
     from specdec.serve.server import add_serve_args
     from specdec.tools import commands
 
@@ -129,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(g)
     _add_spec_args(g)
     _add_sampling_args(g)
+    add_pipeline_args(g)
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     g.add_argument("--stats", action="store_true", help="print speculative metrics after the text")
@@ -147,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_spec_args(v)
     _add_sampling_args(v, seed_stable=False, constraints=False)  # --seed seeds the test's own sampling
     commands.add_verify_args(v)
+    t = command(sub, "train-head", "train a draft head for a model on this machine (--proposer head)")
+    _add_model_args(t, context=False)
+    train.add_args(t)
     b = command(sub, "bench", "tokens/s of speculative settings vs plain decoding (and transformers)")
     _add_model_args(b)
     _add_spec_args(b)
@@ -167,7 +177,17 @@ def cmd_generate(a) -> int:
 
         torch.set_num_threads(a.threads)
     progress = (lambda s: print(s, file=sys.stderr, flush=True))
-    llm = LLM(a.model, speculative_config=spec, dtype=a.dtype, device=a.device,
+    model = a.model
+    if a.pipeline_parallel != 1 or a.pipeline_layers is not None:
+        from specdec.distributed import pipeline
+        from specdec.errors import check_int
+
+        check_int("pipeline_parallel", a.pipeline_parallel, 1, 64)
+        if a.pipeline_parallel == 1:
+            raise SpecdecError("pipeline_layers needs --pipeline-parallel N with N >= 2", "pipeline_layers")
+        model = pipeline.launch(a.model, a.pipeline_parallel, a.dtype, a.device,
+                                pipeline.parse_layers(a.pipeline_layers), a.threads, progress)
+    llm = LLM(model, speculative_config=spec, dtype=a.dtype, device=a.device,
               max_model_len=a.max_model_len, max_batch=1, progress=progress)
     first: list[float] = []  # when the first text arrived (time to first token)
 
@@ -226,6 +246,12 @@ def _dispatch(a) -> int:
 
     if a.cmd == "models":
         return cmd_models(a)
+    if a.cmd == "train-head":
+        from specdec.head.train import cmd_train_head
+        from specdec.loader import check_model_dtype
+
+        check_model_dtype("dtype", a.dtype, a.model, "model")
+        return cmd_train_head(a)
     commands.check_common(a)
     if a.cmd == "serve":
         from specdec.serve.server import cmd_serve

@@ -194,7 +194,7 @@ DRAFT_SAMPLING = ("probabilistic", "greedy")
 # weight storage: fp32, bf16 (rounded), native (the GGUF's own quantised blocks), q4_0 (those
 # blocks requantised to Q4_0 where they have more bits: a cheaper, coarser draft)
 DTYPES = ("auto", "fp32", "bf16", "native", "q4_0")  # auto: native for a GGUF, else fp32
-PROPOSERS = ("draft", "ngram", "composite")
+PROPOSERS = ("draft", "ngram", "composite", "head")
 
 
 @dataclass
@@ -206,20 +206,20 @@ class SpeculativeConfig:
     max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS  # k_max for "auto"
     draft_sampling: str = "probabilistic"  # how the draft samples its tokens: q = full or one-hot
     draft_dtype: str = "auto"
-    proposer: str | None = None  # draft | ngram | composite (n-gram first, then the draft model);
-    # default: "draft" if a draft is given, else "ngram"
+    proposer: str | None = None  # draft | ngram | composite (n-gram first, then the draft model) |
+    # head (a trained draft head); default: "draft" if a draft is given, "head" if a head, else "ngram"
+    head: str | None = None  # a trained head's directory (default for proposer "head": the one
+    # shipped for the target, specdec.head.shipped_head)
     ngram_min: int = 1
     ngram_max: int = 4
 
     def __post_init__(self):
-        if self.draft is not None:
-            if isinstance(self.draft, os.PathLike):
-                self.draft = os.fspath(self.draft)
-            if not isinstance(self.draft, str) or not self.draft:
-                raise SpecdecError(f"draft={show(self.draft)} is not a model; allowed: a registry "
-                                   "name, a .gguf file or a Hugging Face directory", "draft")
+        self.draft = _path_or_name("draft", self.draft, "a model; allowed: a registry name, a .gguf "
+                                   "file or a Hugging Face directory")
+        self.head = _path_or_name("head", self.head, "a head; allowed: the directory `specdec "
+                                  "train-head --out` wrote")
         if self.proposer is None:
-            self.proposer = "draft" if self.draft is not None else "ngram"
+            self.proposer = "draft" if self.draft is not None else "head" if self.head is not None else "ngram"
         check_choice("proposer", self.proposer, PROPOSERS)
         if self.proposer in ("draft", "composite") and self.draft is None:
             raise SpecdecError(f"proposer={self.proposer!r} needs a draft model (--draft MODEL)", "draft")
@@ -242,7 +242,17 @@ class SpeculativeConfig:
                     raise SpecdecError(f"{name}={getattr(self, name)!r} applies to a draft model, and "
                                        "proposer='ngram' has none; allowed: proposer draft or composite",
                                        name)
-        if self.proposer == "draft" and (self.ngram_min, self.ngram_max) != (1, 4):
+        if self.head is not None and self.proposer != "head":
+            raise SpecdecError(f"head={self.head!r} is only used by proposer='head', not {self.proposer!r}",
+                               "head")
+        if self.proposer == "head":
+            if self.draft is not None:
+                raise SpecdecError(f"draft={self.draft!r} is not used by proposer='head'; allowed: proposer "
+                                   "draft or composite with a draft, or no draft", "draft")
+            if self.draft_dtype != "auto":
+                raise SpecdecError(f"draft_dtype={self.draft_dtype!r} applies to a draft model, and "
+                                   "proposer='head' has none", "draft_dtype")
+        if self.proposer in ("draft", "head") and (self.ngram_min, self.ngram_max) != (1, 4):
             raise SpecdecError(f"ngram_min={self.ngram_min}, ngram_max={self.ngram_max} apply to n-gram "
                                "lookup, which proposer='draft' does not use; allowed: proposer ngram or "
                                "composite", "ngram_min")
@@ -250,6 +260,17 @@ class SpeculativeConfig:
             raise SpecdecError(f"max_draft_tokens={self.max_draft_tokens} is not used with num_draft_tokens="
                                f"{self.num_draft_tokens}; allowed: num_draft_tokens='auto', or "
                                f"max_draft_tokens left at {DEFAULT_MAX_DRAFT_TOKENS}", "max_draft_tokens")
+
+
+def _path_or_name(field: str, value, what: str):
+    """None, or a non-empty string (a path-like becomes its string)."""
+    if value is None:
+        return None
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value:
+        raise SpecdecError(f"{field}={show(value)} is not {what}", field)
+    return value
 
 
 def check_ngram_range(n_min, n_max) -> None:

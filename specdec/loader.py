@@ -19,10 +19,12 @@ import torch
 from specdec.config import DEFAULT_MAX_DRAFT_TOKENS, DTYPES, SpeculativeConfig
 from specdec.engine import Engine
 from specdec.errors import SpecdecError, check_choice
+from specdec.head import load_head, shipped_head
 from specdec.proposers import CompositeProposer, DraftModelProposer, NgramProposer
+from specdec.proposers.head import HeadProposer
 from specdec.runtime.hub import REGISTRY, model_path, resolve_model
 from specdec.runtime.kernels.quant import QuantTensor, requantise
-from specdec.runtime.model import Transformer
+from specdec.runtime.model import Part, Transformer
 from specdec.runtime.tokenizer import Tokenizer
 from specdec.runtime.weights import load_hf_dir, read_gguf_native
 
@@ -43,8 +45,11 @@ def _gguf_path(name: str) -> Path | None:
     return p if p.suffix.lower() == ".gguf" else None
 
 
-def load_model(name: str, dtype: str = "auto", device: str | None = None, progress=None):
-    """(Transformer, Tokenizer) from a registry name, a GGUF file or an HF directory."""
+def load_model(name: str, dtype: str = "auto", device: str | None = None, progress=None,
+               part: Part | None = None):
+    """(Transformer, Tokenizer) from a registry name, a GGUF file or an HF directory; with
+    `part`, only that part of the model, reading only its tensors (a pipeline stage; no
+    tokenizer, None, for a part without the embedding)."""
     if dtype not in DTYPES:
         raise SpecdecError(f"dtype={dtype!r}; allowed: {', '.join(DTYPES)}")
     device = device or default_device()
@@ -59,14 +64,14 @@ def load_model(name: str, dtype: str = "auto", device: str | None = None, progre
     if dtype in ("native", "q4_0"):  # weights straight from the GGUF file, still quantised
         if gguf is None:
             raise SpecdecError(f"dtype={dtype!r} needs a GGUF model (registry name or .gguf file), got {name!r}")
-        args, state = read_gguf_native(gguf)
+        args, state = read_gguf_native(gguf, keep=part.needs if part is not None else None)
         if dtype == "q4_0":
             state = _requantised(state, args.tie_embeddings)
         dtype = "native"
     else:
         args, state = load_hf_dir(path)
-    tok = Tokenizer.load(path)
-    return Transformer(args, state, dtype=dtype, device=device), tok
+    tok = Tokenizer.load(path) if part is None or part.embed else None  # a later stage: ids only
+    return Transformer(args, state, dtype=dtype, device=device, part=part), tok
 
 
 def _requantised(state: dict, tied: bool) -> dict:
@@ -97,6 +102,7 @@ class Models:
     vocab: int  # the real vocabulary shared by target and draft
     name: str
     draft_name: str | None
+    heads: dict = dataclasses.field(default_factory=dict)  # head directory -> loaded DraftHead
 
     def context_length(self, max_model_len: int | None = None) -> int:
         """The context a request may reach: the cap asked for, within both models' own."""
@@ -131,10 +137,21 @@ def make_proposer(spec: SpeculativeConfig, models: Models, max_seq_len: int):
         raise SpecdecError(f"proposer={spec.proposer!r} needs a draft model (--draft MODEL)")
     if spec.proposer == "ngram":
         return NgramProposer(spec.ngram_min, spec.ngram_max)
+    if spec.proposer == "head":
+        return HeadProposer(head_for(spec, models), models.vocab, max_seq_len, spec.draft_sampling)
     dm = DraftModelProposer(models.draft, models.vocab, max_seq_len, spec.draft_sampling)
     if spec.proposer == "draft":
         return dm
     return CompositeProposer([NgramProposer(spec.ngram_min, spec.ngram_max), dm])
+
+
+def head_for(spec: SpeculativeConfig, models: Models):
+    """The head spec asks for (or the target's shipped one), loaded once per Models."""
+    path = spec.head or shipped_head(models.name)
+    if path not in models.heads:
+        sha = REGISTRY[models.name].sha256 if models.name in REGISTRY else None
+        models.heads[path] = load_head(path, models.target, sha)
+    return models.heads[path]
 
 
 def build_engine(models: Models, spec: SpeculativeConfig | None = None, max_model_len: int | None = None,

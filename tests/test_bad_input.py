@@ -81,7 +81,7 @@ CLI_CASES = {
     "draft under ngram": (G + ["--proposer", "ngram", "--draft", "{D}"],
                           ["draft=", "not used by proposer='ngram'", "allowed: proposer draft or composite"]),
     "k without a proposer": (G + ["--num-draft-tokens", "4"],
-                             ["num_draft_tokens='4' needs a proposer", "allowed with --draft MODEL or --proposer"]),
+                             ["num_draft_tokens='4' needs a proposer", "allowed with --draft MODEL, --head DIR or --proposer"]),
     "draft dtype without a draft": (G + ["--draft-dtype", "q4_0"], ["draft_dtype='q4_0' needs a proposer", "allowed with"]),
     "ngram flags with a draft proposer": (G + ["--draft", "{D}", "--ngram-max", "6"],
                                           ["ngram_max=6", "allowed: proposer ngram or composite"]),

@@ -116,6 +116,19 @@ def test_unpack_equals_gguf_dequantize(qtype):
             assert torch.equal(Q.unpack(packed, qtype, n, q6k_avx2=True), qt.dequantize()), (n, k)
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K"])
+def test_a_tall_matrix_packs_in_chunks_to_the_same_records(qtype, monkeypatch):
+    """A matrix taller than PACK_ROWS (an output head) is packed PACK_ROWS rows at a time, to
+    bound pack's temporaries: whole 16-row panels, so the records are those of one pack."""
+    monkeypatch.setattr(Q, "PACK_ROWS", 32)
+    qt = random_blocks(qtype, 32 * 3 + 7, Q.QUANT_TYPES[qtype].rk, 3)
+    for avx2 in (False, True):
+        chunked = Q.pack(qt, avx2)
+        monkeypatch.setattr(Q, "PACK_ROWS", 1 << 30)
+        assert torch.equal(chunked, Q.pack(qt, avx2))
+        monkeypatch.setattr(Q, "PACK_ROWS", 32)
+
+
 def test_q6k_layouts_give_the_same_bits():
     """Q6_K's two layouts (low + high planes, and Q6_K2's three-vector k-step pairs) through the
     AVX2 routine: the same codes, so the same integer sums and the same bits, M = 1..16.

@@ -71,7 +71,9 @@ def test_hidden_states_reach_the_proposer_for_the_committed_tokens():
         assert res.committed == req.tokens[pos:pos + len(res.committed)]
         assert torch.equal(res.hidden, full[0, pos - 1:pos - 1 + len(res.committed)])
         pos += len(res.committed)
-    assert len(req.tokens) - pos == 1  # the last round had no room to draft: not the proposer's
+    # every round, the last one too (no room to draft, k = 0): a proposer that reads hidden states
+    # needs the features of every committed token
+    assert pos == len(req.tokens)
 
 
 def test_step_reports_each_rows_round():

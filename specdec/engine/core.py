@@ -164,6 +164,8 @@ class Engine:
         if donor is not None:
             self.cache.copy_prefix(donor.row, req.row, have)
             req.cached_tokens = max(req.cached_tokens, min(have, len(req.prompt)))
+            if self.proposer is not None and self.proposer.wants_hidden_states:
+                self.proposer.share_prefix(req, donor, have)
 
     def abort_all(self) -> None:
         for r in list(self.active):
@@ -219,7 +221,9 @@ class Engine:
                 else:
                     leaders.append(head)
             copies += [(r, [head]) for r in rs if r is not head]
-        todo = kv_prefill(self.model, self.cache, leaders, self.prefill_chunk)
+        wants = self.proposer is not None and self.proposer.wants_hidden_states
+        todo = kv_prefill(self.model, self.cache, leaders, self.prefill_chunk,
+                          on_hidden=self.proposer.observe_hidden if wants else None)
         for r, sources in copies:
             self._copy_in(r, sources)
         done = [r for r in pending if ready(r)]
@@ -347,7 +351,9 @@ class Engine:
         out_l, n_emit_l, nd_l = out.tolist(), n_emit.tolist(), prop.num_draft.tolist()  # one sync
         sources = prop.source or [None] * len(reqs)
         drafting = sum(1 for n in nd_l if n)
-        proposed = self.proposer is not None and any(c.k for c in choices)
+        # A proposer is told about rounds it was asked to draft for, and one that reads the
+        # target's hidden states about every round (it needs the features of every committed token).
+        proposed = self.proposer is not None and (any(c.k for c in choices) or self.proposer.wants_hidden_states)
         rows = []
         for b, r in enumerate(reqs):
             L = len(r.tokens)
@@ -377,7 +383,7 @@ class Engine:
                             delta=self._stream_delta(r),
                             hidden=None if hidden is None else hidden[b, : len(committed)],
                             logprobs=lp)
-            if proposed:  # a proposer is only told about rounds it was asked to draft for
+            if proposed:
                 self.proposer.accept(r, res)
             r.decode_time += time.perf_counter() - t0
             rows.append(res)

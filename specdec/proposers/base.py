@@ -39,6 +39,17 @@ class Proposer(Protocol):
         state for every committed token but the last. Its time is prompt processing."""
         ...
 
+    def observe_hidden(self, req: Request, start: int, hidden) -> None:
+        """Only when wants_hidden_states: the target's final hidden states [n, dim] at the
+        committed positions start..start+n-1, from its prompt prefill (a round's come with
+        `accept`, in RowResult.hidden)."""
+        ...
+
+    def share_prefix(self, req: Request, donor: Request, n: int) -> None:
+        """Only when wants_hidden_states: req's target KV for its first n tokens was copied from
+        donor's row (a shared prompt), so no hidden states come for them."""
+        ...
+
     def peek(self, req: Request, k: int) -> list[Candidate]:
         """The parts that could draft for this request now and how many tokens (<= k) each has,
         from committed tokens only, in the proposer's order of preference; [] if none."""
@@ -78,6 +89,12 @@ class ProposerBase:
         pass
 
     def prefill(self, reqs: list[Request]) -> None:
+        pass
+
+    def observe_hidden(self, req: Request, start: int, hidden) -> None:
+        pass
+
+    def share_prefix(self, req: Request, donor: Request, n: int) -> None:
         pass
 
     def peek(self, req: Request, k: int) -> list[Candidate]:

@@ -139,32 +139,7 @@ class DraftModelProposer(ProposerBase):
             not r.params.greedy and not r.params.stable for r in reqs)
 
     def _sample(self, logits, reqs, drafted, live: set[int]):
-        """Draft tokens [B] and their distributions q [B, V] (zeros where q is one-hot) at the
-        position after `drafted` [B, i]: the logits state sees each row's own drafts so far,
-        as the target's p will at the same position. Only `live` rows (still drafting) roll
-        dice: a row's draws never depend on how far the others draft."""
-        B = logits.shape[0]
-        d = torch.zeros(B, dtype=torch.long, device=logits.device)
-        q = torch.zeros(B, self.V, device=logits.device) if self._needs_q(reqs) else None
-        for params, rng, idx in sampling_groups(reqs):
-            idx = [b for b in idx if b in live]
-            if not idx:
-                continue
-            ix = torch.tensor(idx, device=logits.device)
-            inp = stacked_inputs(reqs, idx, drafted, last_only=True)
-            lg = logits[ix]
-            if params.greedy:
-                d[ix] = sampling.greedy_tokens(lg, params, inp.counts, inp.seen, inp.mask)
-            elif self.draft_sampling == "greedy":
-                d[ix] = sampling.filter_logits(
-                    sampling.apply_penalties(lg.float(), params, inp.counts, inp.seen, inp.mask), params).argmax(-1)
-            elif params.stable:  # the target's noise at this position: q coupled to p, no q needed
-                noise = rejection.stable_noise(reqs, idx, 1, lg.shape[-1], lg.device, start=drafted.shape[1])
-                d[ix] = sampling.stable_tokens(lg, params, noise, inp.counts, inp.seen, inp.mask)
-            else:
-                probs = sampling.probabilities(lg, params, inp.counts, inp.seen, inp.mask)
-                d[ix] = rng.categorical(probs)
-                q[ix] = probs
+        d, q, _ = draw(logits, reqs, drafted, live, self.draft_sampling, self._needs_q(reqs))
         return d, q
 
     def skip(self, req) -> None:
@@ -180,3 +155,41 @@ class DraftModelProposer(ProposerBase):
         L, k = self._L[req.row], self._last_k[req.row]
         keep = L + min(result.accepted, max(k - 1, 0))
         self.cache.set_length(req.row, min(keep, len(req.tokens)))
+
+
+def draw(logits: torch.Tensor, reqs, drafted: torch.Tensor, live: set[int], draft_sampling: str,
+         needs_q: bool):
+    """Draft tokens d [B], their distributions q [B, V] (None, or zeros where q is one-hot) and
+    `dead` [B] bool (rows whose transformed logits allow no token: nothing to draft) at the
+    position after `drafted` [B, i], from draft logits [B, V]. The logits state sees each row's
+    own drafts so far, as the target's p will at the same position. Only `live` rows (still
+    drafting) roll dice: a row's draws never depend on how far the others draft."""
+    B = logits.shape[0]
+    d = torch.zeros(B, dtype=torch.long, device=logits.device)
+    q = torch.zeros(B, logits.shape[-1], device=logits.device) if needs_q else None
+    dead = torch.zeros(B, dtype=torch.bool, device=logits.device)
+    for params, rng, idx in sampling_groups(reqs):
+        idx = [b for b in idx if b in live]
+        if not idx:
+            continue
+        ix = torch.tensor(idx, device=logits.device)
+        inp = stacked_inputs(reqs, idx, drafted, last_only=True)
+        lg = logits[ix]
+        if params.greedy:
+            d[ix] = sampling.greedy_tokens(lg, params, inp.counts, inp.seen, inp.mask)
+        elif draft_sampling == "greedy":
+            d[ix] = sampling.filter_logits(
+                sampling.apply_penalties(lg.float(), params, inp.counts, inp.seen, inp.mask), params).argmax(-1)
+        elif params.stable:  # the target's noise at this position: q coupled to p, no q needed
+            noise = rejection.stable_noise(reqs, idx, 1, lg.shape[-1], lg.device, start=drafted.shape[1])
+            d[ix] = sampling.stable_tokens(lg, params, noise, inp.counts, inp.seen, inp.mask)
+        else:
+            probs = sampling.probabilities(lg, params, inp.counts, inp.seen, inp.mask)
+            bad = ~torch.isfinite(probs).all(-1)  # every token masked (a reduced draft vocabulary)
+            if bad.any():
+                dead[ix[bad]] = True
+                probs[bad] = 0.0
+                probs[bad, 0] = 1.0  # a placeholder draw; the row's drafts end before it
+            d[ix] = rng.categorical(probs)
+            q[ix] = probs
+    return d, q, dead

@@ -50,11 +50,12 @@ def rows_arg(reqs, device):
     return None if rows == list(range(len(rows))) else torch.tensor(rows, device=device)
 
 
-def prefill(model, cache: "KVCache", reqs, budget: int | None = None) -> list:
+def prefill(model, cache: "KVCache", reqs, budget: int | None = None, on_hidden=None) -> list:
     """Give `cache` KV for every committed token of each request but the last (the next round
     feeds it), in one padded forward that computes no logits; returns the requests fed.
     budget: at most this many tokens in all (chunked prefill), handed out in request order; a
-    request left short gets the rest in later calls."""
+    request left short gets the rest in later calls. on_hidden(request, start, hidden [n, dim]):
+    told the final hidden states of the n positions fed from `start` (a draft head's input)."""
     todo, chunks = [], []
     left = budget if budget is not None else float("inf")
     for r in reqs:
@@ -68,9 +69,12 @@ def prefill(model, cache: "KVCache", reqs, budget: int | None = None) -> list:
     dev = model.device
     starts = [cache.lengths[r.row] for r in todo]
     tok, pos = ragged_block(chunks, starts, cache.capacity)
-    model.forward(tok.to(dev), pos.to(dev), cache, rows=rows_arg(todo, dev),
-                  logits_at=torch.zeros(len(todo), 0, dtype=torch.long, device=dev))
-    for r, c in zip(todo, chunks):
+    out = model.forward(tok.to(dev), pos.to(dev), cache, rows=rows_arg(todo, dev),
+                        logits_at=torch.zeros(len(todo), 0, dtype=torch.long, device=dev),
+                        return_hidden=on_hidden is not None)
+    for b, (r, c) in enumerate(zip(todo, chunks)):
+        if on_hidden is not None:
+            on_hidden(r, starts[b], out[1][b, : len(c)])
         cache.advance(r.row, len(c))
     return todo
 

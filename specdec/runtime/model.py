@@ -11,12 +11,17 @@ returns logits [B, T, V]. It never moves the cache's lengths; the caller does. E
 to cache slots <= its own position (causal), or, with an explicit `mask` [B, T, T] over the new
 tokens, to every slot before the block's first position plus the new tokens the mask allows.
 The module knows nothing about tokenizers, sampling or speculation.
+
+A `Part` builds only some of the model: a range of layers and, or not, the embedding, the final
+norm and the output head (pipeline parallel: specdec/distributed/pipeline.py runs `forward`'s
+pieces, `plan`, `run_layers`, `final_norm` and `output`, in several processes, to the same bits).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
+import numpy as np
 import torch
 
 from specdec.runtime import kernels
@@ -36,6 +41,47 @@ class LayerWeights:
     w_down: object  # prepared [dim, I]
 
 
+@dataclass(frozen=True)
+class Part:
+    """The pieces of the model one process builds: layers [first, last), the token embedding,
+    the final norm, the output head. embed_rows: keep a block-quantised embedding as stored and
+    dequantise only the rows a forward looks up (RowEmbedding), not the whole table in fp32."""
+
+    first: int
+    last: int
+    embed: bool = True
+    norm: bool = True
+    head: bool = True
+    embed_rows: bool = False
+
+    @staticmethod
+    def whole(n_layers: int) -> "Part":
+        return Part(0, n_layers)
+
+    def needs(self, name: str) -> bool:
+        """Whether building this part reads the Hugging Face tensor `name`."""
+        if name.startswith("model.layers."):
+            return self.first <= int(name.split(".")[2]) < self.last
+        if name == "model.embed_tokens.weight":
+            return self.embed or self.head  # a tied head is the embedding
+        return {"model.norm.weight": self.norm, "lm_head.weight": self.head}.get(name, False)
+
+
+class RowEmbedding:
+    """A block-quantised embedding [V, dim] kept as stored; `emb[tokens]` dequantises the rows
+    looked up, to the same bits as the whole table's dequantisation (a block never straddles two
+    rows), for ~50 us a forward instead of V * dim * 4 bytes held (0.9 GB for Qwen2.5 1.5B)."""
+
+    def __init__(self, qt: kernels.QuantTensor, device: torch.device):
+        self.qt = replace(qt, raw=np.array(qt.raw))  # its own memory: a file mapping can close
+        self.device = device
+
+    def __getitem__(self, tokens: torch.Tensor) -> torch.Tensor:  # [B, T] -> [B, T, dim] fp32
+        ids = tokens.reshape(-1).cpu().numpy()
+        rows = replace(self.qt, raw=self.qt.raw[ids], shape=(len(ids), self.qt.shape[1]))
+        return rows.dequantize().view(*tokens.shape, -1).to(self.device)
+
+
 def rope_tables(head_dim: int, max_pos: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [max_pos, head_dim // 2] computed in float64 then rounded, like HF's fp32 path."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -46,11 +92,13 @@ def rope_tables(head_dim: int, max_pos: int, theta: float) -> tuple[torch.Tensor
 
 class Transformer:
     def __init__(self, args: ModelArgs, state: dict[str, torch.Tensor], dtype: str = "fp32",
-                 device: str = "cpu"):
-        """state: Hugging Face parameter names (model.layers.N.self_attn.q_proj.weight, ...)."""
+                 device: str = "cpu", part: Part | None = None):
+        """state: Hugging Face parameter names (model.layers.N.self_attn.q_proj.weight, ...);
+        only those `part` needs are read (default: the whole model)."""
         self.args = args
         self.device = torch.device(device)
         self.weight_dtype = dtype
+        self.part = part = part or Part.whole(args.n_layers)
         a = args
 
         def t(name):  # fp32 on device; a GGUF-quantised tensor ("native") is dequantised
@@ -64,9 +112,13 @@ class Transformer:
             w = torch.cat([t(n) for n in names], 0) if len(names) > 1 else t(names[0])
             return kernels.prepare_weight(w.contiguous(), "fp32" if dtype == "native" else dtype)
 
-        self.embed = t("model.embed_tokens.weight")  # [V, dim]
+        self.embed = None  # [V, dim] (or a RowEmbedding) where the part looks tokens up
+        if part.embed:
+            w = state["model.embed_tokens.weight"]
+            rows = part.embed_rows and isinstance(w, kernels.QuantTensor)
+            self.embed = RowEmbedding(w, self.device) if rows else t("model.embed_tokens.weight")
         self.layers: list[LayerWeights] = []
-        for i in range(a.n_layers):
+        for i in range(part.first, part.last):
             p = f"model.layers.{i}."
             bqkv = (torch.cat([t(p + f"self_attn.{n}_proj.bias") for n in "qkv"], 0)
                     if a.qkv_bias else None)
@@ -78,16 +130,34 @@ class Transformer:
                 w_gate_up=prep(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
                 w_down=prep(p + "mlp.down_proj.weight"),
             ))
-        self.norm = t("model.norm.weight")
-        tied = a.tie_embeddings or "lm_head.weight" not in state
-        self.lm_head = prep("model.embed_tokens.weight" if tied else "lm_head.weight")
+        self.norm = t("model.norm.weight") if part.norm else None
+        self.lm_head = None
+        if part.head:
+            tied = a.tie_embeddings or "lm_head.weight" not in state
+            self.lm_head = prep("model.embed_tokens.weight" if tied else "lm_head.weight")
         cos, sin = rope_tables(a.head_dim, a.max_seq_len + 64, a.rope_theta)
         self.cos, self.sin = cos.to(self.device), sin.to(self.device)
 
     def new_cache(self, batch_size: int, max_seq_len: int | None = None, headroom: int = 33) -> KVCache:
+        """KV buffers for this part's layers."""
         a = self.args
-        return KVCache(a.n_layers, batch_size, a.n_kv_heads, a.head_dim,
+        return KVCache(len(self.layers), batch_size, a.n_kv_heads, a.head_dim,
                        max_seq_len or a.max_seq_len, headroom=headroom, device=self.device)
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights this part holds, as stored (packed, quantised or fp32)."""
+        def size(w) -> int:
+            if w is None:
+                return 0
+            if isinstance(w, torch.Tensor):
+                return w.numel() * w.element_size()
+            if isinstance(w, RowEmbedding):
+                return w.qt.raw.nbytes
+            packed = w.packed if isinstance(w.packed, list) else [w.packed]  # QuantWeight: a list
+            return sum(size(p) for p in packed) + size(w.fallback)
+
+        layers = [getattr(lw, f.name) for lw in self.layers for f in fields(LayerWeights)]
+        return sum(size(w) for w in [self.embed, self.norm, self.lm_head, *layers])
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
@@ -99,26 +169,52 @@ class Transformer:
         and a catch-up one, and the output head is the largest matmul of a small model.
         Returns logits [B, T or n, V] (and the final hidden states [B, T, dim] when
         return_hidden)."""
+        step = self.plan(positions, rows, mask)
+        x, d = self.run_layers(self.embed[tokens], None, step, cache)  # x: [B, T, dim]
+        hidden = self.final_norm(x, d, step)
+        logits = self.output(hidden, logits_at)
+        return (logits, hidden) if return_hidden else logits
+
+    __call__ = forward
+
+    def plan(self, positions: torch.Tensor, rows: torch.Tensor | None = None,
+             mask: torch.Tensor | None = None) -> fused.Step:
+        """What every layer of one forward shares (fused.plan on this model's RoPE tables)."""
+        return fused.plan(positions, rows, mask, self.cos, self.sin)
+
+    def run_layers(self, x: torch.Tensor, d: torch.Tensor | None, step: fused.Step,
+                   cache: KVCache) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This part's layers on the residual stream x [B, T, dim] (updated in place) plus d, an
+        output still to be added to it (None: nothing). Returns (x, d): d is the last layer's MLP
+        output, which the next norm adds (x + d is the stream after the last layer)."""
         a = self.args
         H, Hkv, eps = a.n_heads, a.n_kv_heads, a.norm_eps
-        step = fused.plan(positions, rows, mask, self.cos, self.sin)  # what every layer shares
         fast, linear = step.fast, kernels.linear
-        x = self.embed[tokens]  # [B, T, dim], the residual stream, updated in place
-        d = None  # the last layer's MLP output, added at the next norm
         for lw, (kc, vc) in zip(self.layers, cache.layers):  # kc, vc: [Bc, Hkv, S_cap, D] views
             h = fused.add_rms_norm(x, d, lw.attn_norm, eps, fast)
             qkv = linear(h, lw.wqkv, lw.bqkv)  # [B, T, (H + 2 Hkv) D]
             o = fused.attend(step, qkv, kc, vc, H, Hkv)  # [B, T, H D]
             h = fused.add_rms_norm(x, linear(o, lw.wo), lw.ffn_norm, eps, fast)
             d = linear(fused.silu_mul(linear(h, lw.w_gate_up), fast), lw.w_down)
-        hidden = fused.add_rms_norm(x, d, self.norm, eps, fast)
-        if logits_at is None:
-            logits = linear(hidden, self.lm_head)  # [B, T, V]
-        elif logits_at.shape[1] == 0:
-            logits = hidden.new_empty(hidden.shape[0], 0, self.lm_head.n)
-        else:  # rows are computed alone or together to the same bits (batch-invariant kernels)
-            b = torch.arange(hidden.shape[0], device=hidden.device).unsqueeze(1)
-            logits = linear(hidden[b, logits_at], self.lm_head)  # [B, n, V]
-        return (logits, hidden) if return_hidden else logits
+        return x, d
 
-    __call__ = forward
+    def final_norm(self, x: torch.Tensor, d: torch.Tensor | None, step: fused.Step) -> torch.Tensor:
+        """The final hidden states [B, T, dim]: the norm of x + d."""
+        return fused.add_rms_norm(x, d, self.norm, self.args.norm_eps, step.fast)
+
+    def output(self, hidden: torch.Tensor, logits_at: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T or n, V] from the final hidden states [B, T, dim] at logits_at [B, n]
+        (None: every position)."""
+        linear = kernels.linear
+        if logits_at is None:
+            return linear(hidden, self.lm_head)  # [B, T, V]
+        if logits_at.shape[1] == 0:
+            return hidden.new_empty(hidden.shape[0], 0, self.lm_head.n)
+        # rows are computed alone or together to the same bits (batch-invariant kernels)
+        return linear(select_positions(hidden, logits_at), self.lm_head)  # [B, n, V]
+
+
+def select_positions(x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """x [B, T, C] at at [B, n] -> [B, n, C]."""
+    b = torch.arange(x.shape[0], device=x.device).unsqueeze(1)
+    return x[b, at]

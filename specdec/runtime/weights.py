@@ -170,15 +170,16 @@ def _gguf_args(reader, path: Path) -> tuple[ModelArgs, dict]:
     return args, tensors
 
 
-def _gguf_tensors(path: Path, convert) -> tuple[ModelArgs, dict]:
+def _gguf_tensors(path: Path, convert, keep=None) -> tuple[ModelArgs, dict]:
     """Map each GGUF tensor to its Hugging Face name through convert(name, tensor, shape [N, K]),
     then undo llama.cpp's q/k row permutation for the llama architecture (rows are independent
-    in every block format, so this works on quantised rows too)."""
+    in every block format, so this works on quantised rows too). keep(HF name): which tensors
+    to read at all (None: every one); the others are neither converted nor checked."""
     args, tensors = _gguf_args(_open_gguf(path), path)
     state = {}
     for name, t in tensors.items():
         hf = _gguf_name_to_hf(name)
-        if hf is None:
+        if hf is None or (keep is not None and not keep(hf)):
             continue
         if t.tensor_type.name not in SUPPORTED_TYPES:
             raise SpecdecError(f"unsupported tensor type {t.tensor_type.name} for {name} in {path}; "
@@ -215,9 +216,10 @@ def read_gguf(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
                   for k, w in state.items()}
 
 
-def read_gguf_native(path: Path) -> tuple[ModelArgs, dict]:
+def read_gguf_native(path: Path, keep=None) -> tuple[ModelArgs, dict]:
     """A GGUF's tensors as stored, straight from the file: (ModelArgs, {HF name: QuantTensor for
-    the block-quantised matrices the kernel runs (kernels.QUANT_TYPES), fp32 tensor otherwise})."""
+    the block-quantised matrices the kernel runs (kernels.QUANT_TYPES), fp32 tensor otherwise}).
+    keep(HF name): only the tensors it is true for (a pipeline stage's part of the model)."""
     from gguf.quants import dequantize
 
     def convert(name, t, shape):
@@ -225,7 +227,7 @@ def read_gguf_native(path: Path) -> tuple[ModelArgs, dict]:
             return QuantTensor(t.tensor_type.name, np.asarray(t.data).reshape(shape[0], -1), shape)
         return dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
 
-    args, state = _gguf_tensors(Path(path), convert)
+    args, state = _gguf_tensors(Path(path), convert, keep)
     return args, {k: w if isinstance(w, QuantTensor) else torch.from_numpy(np.array(w, dtype=np.float32))
                   for k, w in state.items()}
 

@@ -24,6 +24,7 @@ from specdec.errors import SpecdecError
 from specdec.serve.protocol import BadRequest, ChatCompletionRequest, CompletionRequest
 from specdec.serve.scheduler import Event, Job, QueueFull
 
+MAX_BODY_BYTES = 4 << 20
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|.*\[.*\]|function-.*)$")
 
 
@@ -52,9 +53,23 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"{param}={shown}: {err.get('msg', 'invalid value')}", param
 
 
+def refusal(request: Request, api_key: str | None, max_body_bytes: int) -> JSONResponse | None:
+    """The answer to a /v1 request refused before its body is read (401 wrong key, 413 too big),
+    or None. Also the Ray Serve ingress's check (specdec.serve.replicas)."""
+    if not request.url.path.startswith("/v1"):
+        return None
+    if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
+        return _error(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
+                      "authentication_error", code="invalid_api_key")
+    size = request.headers.get("content-length")
+    if size is not None and (not size.isdigit() or int(size) > max_body_bytes):
+        return _error(413, f"request body of {size} bytes; allowed at most {max_body_bytes}")
+    return None
+
+
 def create_app(scheduler, tokenizer, model_name: str, context_length: int, vocab: int,
                api_key: str | None = None, max_tokens_cap: int | None = None,
-               max_body_bytes: int = 4 << 20, metrics=None) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, metrics=None) -> FastAPI:
     app = FastAPI(title="specdec", docs_url=None, redoc_url=None)
     created = int(time.time())
 
@@ -77,14 +92,7 @@ def create_app(scheduler, tokenizer, model_name: str, context_length: int, vocab
 
     @app.middleware("http")
     async def _guard(request: Request, call_next):
-        if request.url.path.startswith("/v1"):
-            if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
-                return _error(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
-                              "authentication_error", code="invalid_api_key")
-            size = request.headers.get("content-length")
-            if size is not None and (not size.isdigit() or int(size) > max_body_bytes):
-                return _error(413, f"request body of {size} bytes; allowed at most {max_body_bytes}")
-        return await call_next(request)
+        return refusal(request, api_key, max_body_bytes) or await call_next(request)
 
     @app.get("/health")
     async def health():

@@ -1,4 +1,6 @@
-"""`specdec serve`: load the models, build the engine, start the engine loop and uvicorn.
+"""`specdec serve`: load the models, build the engine, start the engine loop and uvicorn; with
+`--replicas` (or `--min-replicas` / `--max-replicas`), several engines under Ray Serve instead
+(specdec.serve.replicas).
 
 Binds 127.0.0.1 unless told otherwise. The listening socket is opened here (port 0 takes a free
 port) so the printed URL is the one really served.
@@ -16,13 +18,9 @@ import threading
 import torch
 import uvicorn
 
-from specdec.api import context_length
-from specdec.config import SpeculativeConfig
 from specdec.errors import SpecdecError, check_range
-from specdec.loader import build_engine, load_models
-from specdec.serve.app import create_app
-from specdec.serve.metrics import ServerMetrics
-from specdec.serve.scheduler import Scheduler
+from specdec.serve import replicas
+from specdec.serve.build import build_served
 
 DEFAULT_PREFILL_CHUNK = 256
 
@@ -42,15 +40,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="largest max_tokens a request may ask for (default: the context)")
     p.add_argument("--kv-cache-tokens", type=int, default=None,
                    help="KV memory in tokens: sets --max-batch to this / the context length")
-
-
-def _spec(a) -> SpeculativeConfig | None:
-    if a.draft is None and a.proposer is None:
-        return None
-    return SpeculativeConfig(draft=a.draft, num_draft_tokens=a.num_draft_tokens,
-                             max_draft_tokens=a.max_draft_tokens, draft_sampling=a.draft_sampling,
-                             draft_dtype=a.draft_dtype, proposer=a.proposer,
-                             ngram_min=a.ngram_min, ngram_max=a.ngram_max)
+    replicas.add_replica_args(p)
 
 
 def cmd_serve(a) -> int:
@@ -62,8 +52,10 @@ def cmd_serve(a) -> int:
         check_range("max_tokens_cap", a.max_tokens_cap, 1, None)
     if a.threads is not None:
         check_range("threads", a.threads, 1, None)
+    if replicas.wanted(a):
+        return replicas.serve_replicas(a)
+    if a.threads is not None:
         torch.set_num_threads(a.threads)
-    spec = _spec(a)
     sock = socket.socket(socket.AF_INET6 if ":" in a.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -71,29 +63,16 @@ def cmd_serve(a) -> int:
     except OSError as e:
         raise SpecdecError(f"cannot listen on {a.host}:{a.port}: {e.strerror}") from None
     progress = (lambda s: print(s, file=sys.stderr, flush=True))
-    draft = a.draft if spec is not None and spec.proposer != "ngram" else None
-    models = load_models(a.model, draft, a.dtype, spec.draft_dtype if spec else "auto", a.device, progress)
-    ctx = context_length(models, a.max_model_len)  # above the model's own: an error, not a cap
-    max_batch = a.max_batch
-    if a.kv_cache_tokens is not None:
-        check_range("kv_cache_tokens", a.kv_cache_tokens, ctx, None)
-        max_batch = a.kv_cache_tokens // ctx
-    engine = build_engine(models, spec, max_model_len=ctx, max_batch=max_batch)
-    engine.prefill_chunk = a.prefill_chunk
-    name = a.served_model_name or a.model
-    metrics = ServerMetrics(name)
-    sched = Scheduler(engine, max_waiting=a.max_waiting, metrics=metrics)
-    app = create_app(sched, models.tokenizer, name, ctx, engine.V, api_key=a.api_key,
-                     max_tokens_cap=a.max_tokens_cap, metrics=metrics)
+    served = build_served(a, a.api_key, progress)
+    sched = served.scheduler
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    mode = "plain decoding" if spec is None else f"speculative ({spec.proposer}, k={spec.num_draft_tokens})"
-    print(f"specdec: serving {name!r} ({mode}, {max_batch} rows, context {ctx}) "
+    print(f"specdec: serving {served.name!r} ({served.mode}, {served.max_batch} rows, context {served.context}) "
           f"on http://{shown}:{port}/v1", flush=True)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     # uvicorn on a thread of its own (it installs no signal handlers there), the engine loop on
     # the main thread (specdec.serve.scheduler says why); SIGINT / SIGTERM end both.
-    web = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
+    web = uvicorn.Server(uvicorn.Config(served.app, log_level="warning", access_log=False,
                                         timeout_graceful_shutdown=5))
     web_thread = threading.Thread(target=web.run, kwargs={"sockets": [sock]}, name="specdec-web", daemon=True)
     web_thread.start()

@@ -66,13 +66,16 @@ class MemoModel:
 
     def __init__(self, model, prefix: list[int], max_bytes: float = 4e9, batch: int = 32):
         self.model, self.args, self.device = model, model.args, model.device
+        # a draft head borrows the target's embedding and output rows (specdec.head.attach)
+        self.embed, self.lm_head = getattr(model, "embed", None), getattr(model, "lm_head", None)
         self.prefix = tuple(prefix)
         L = len(prefix)
         self.batch = batch
+        self.V = model.args.vocab_size
         self.scratch = model.new_cache(batch, L + EXTRA_SLOTS, headroom=1)
-        with torch.inference_mode():
-            logits = model.forward(torch.tensor([prefix], device=self.device),
-                                   torch.arange(L, device=self.device).view(1, -1), self.scratch)[0]
+        with torch.inference_mode():  # memo entries: [V + dim] logits and final hidden state
+            logits = self._run(torch.tensor([prefix], device=self.device),
+                               torch.arange(L, device=self.device).view(1, -1), self.scratch)[0]
         self.scratch.k[:, 1:, :, :L] = self.scratch.k[:, :1, :, :L]  # every row starts from the prefix
         self.scratch.v[:, 1:, :, :L] = self.scratch.v[:, :1, :, :L]
         self.fixed = {self.prefix[:i + 1]: logits[i].clone() for i in range(L)}  # never evicted
@@ -80,14 +83,28 @@ class MemoModel:
         self.max_entries = max(256, int(max_bytes // (4 * logits.shape[-1])))
         self.hits = self.misses = 0
 
+    def _run(self, tokens, positions, cache) -> torch.Tensor:
+        """The real model's logits and final hidden states, concatenated: [B, T, V + dim]."""
+        logits, hidden = self.model.forward(tokens, positions, cache, return_hidden=True)
+        return torch.cat([logits, hidden], -1)
+
     def new_cache(self, batch_size: int, max_seq_len: int | None = None, headroom: int = 33) -> KVCache:
         return SlotCache(batch_size, max_seq_len or self.args.max_seq_len, headroom)
 
     def forward(self, tokens, positions, cache, mask=None, return_hidden=False, rows=None,
                 logits_at=None):
-        """tokens, positions [B, T] -> logits [B, T or n, V], as model.forward (causal, no mask;
-        logits_at [B, n]: those positions only, none for n = 0)."""
-        assert mask is None and not return_hidden
+        """tokens, positions [B, T] -> logits [B, T or n, V] (and hidden states, when asked), as
+        model.forward (causal, no mask; logits_at [B, n]: those positions only, none for n = 0)."""
+        assert mask is None
+        if not return_hidden:
+            return self._forward(tokens, positions, cache, rows, logits_at)[..., : self.V]
+        out = self._forward(tokens, positions, cache, rows, None)  # [B, T, V + dim]: every position
+        logits = out[..., : self.V]
+        if logits_at is not None:
+            logits = logits.gather(1, logits_at.unsqueeze(2).expand(-1, -1, self.V))
+        return logits, out[..., self.V:]
+
+    def _forward(self, tokens, positions, cache, rows, logits_at):
         B, T = tokens.shape
         rows = torch.arange(B) if rows is None else rows.cpu()
         pos = positions.cpu()
@@ -95,7 +112,7 @@ class MemoModel:
         if logits_at is not None:
             pos = pos.gather(1, logits_at.cpu())
             if pos.shape[1] == 0:  # a prefill: the slots are written, nothing to look up
-                return torch.empty(B, 0, self.args.vocab_size, device=self.device)
+                return torch.empty(B, 0, self.V + self.args.dim, device=self.device)
         n = pos.shape[1]
         hist = cache.slots[rows].tolist()
         keys = [tuple(hist[b][:p + 1]) for b, prow in enumerate(pos.tolist()) for p in prow]
@@ -107,7 +124,7 @@ class MemoModel:
 
     def next_logits(self, seqs: list[list[int]]) -> torch.Tensor:
         """logits_fn for specdec.tools.distribution: [len(seqs), V] next-token logits."""
-        return self.logits([tuple(s) for s in seqs])
+        return self.logits([tuple(s) for s in seqs])[:, : self.V]
 
     def logits(self, keys: list[tuple]) -> torch.Tensor:
         out: list = [None] * len(keys)
@@ -129,7 +146,7 @@ class MemoModel:
 
     @torch.inference_mode()
     def _compute(self, keys: list[tuple]) -> dict:
-        L, V = len(self.prefix), self.args.vocab_size
+        L, V = len(self.prefix), self.V + self.args.dim
         got = {}
         ext = []
         for k in keys:
@@ -139,9 +156,8 @@ class MemoModel:
                 ext.append(k)
             else:  # not an extension of the prefix (never happens in verify): a plain forward
                 cache = self.model.new_cache(1, len(k) + 1, headroom=1)
-                got[k] = self.model.forward(torch.tensor([k], device=self.device),
-                                            torch.arange(len(k), device=self.device).view(1, -1),
-                                            cache)[0, -1].cpu()
+                got[k] = self._run(torch.tensor([k], device=self.device),
+                                   torch.arange(len(k), device=self.device).view(1, -1), cache)[0, -1].cpu()
         for s in range(0, len(ext), self.batch):
             part = ext[s:s + self.batch]
             T = max(len(k) for k in part) - L
@@ -149,7 +165,7 @@ class MemoModel:
             for b, k in enumerate(part):
                 tok[b, :len(k) - L] = torch.tensor(k[L:])
             pos = (L + torch.arange(T)).view(1, -1).expand(len(part), T)
-            out = self.model.forward(tok.to(self.device), pos.to(self.device), self.scratch).cpu()
+            out = self._run(tok.to(self.device), pos.to(self.device), self.scratch).cpu()
             for b, k in enumerate(part):
                 for t in range(len(k) - L):
                     self._store(k[:L + t + 1], out[b, t])
@@ -184,7 +200,8 @@ def control(name: str | None):
 @dataclass
 class VerifySettings:
     params: SamplingParams  # max_tokens is replaced by n
-    proposer: str  # draft | ngram | composite
+    proposer: str  # draft | ngram | composite | head
+    head: str | None = None  # a trained head's directory (proposer head; None: the shipped one)
     k: int | str = 4  # draft tokens per round, or "auto"
     max_draft_tokens: int = 8
     draft_sampling: str = "probabilistic"
@@ -232,7 +249,7 @@ def run_verify(models: Models, s: VerifySettings, progress=None) -> dict:
     target = MemoModel(models.target, prompt)
     draft = MemoModel(models.draft, prompt) if models.draft is not None else None
     spec = SpeculativeConfig(draft=models.draft_name, num_draft_tokens=s.k, max_draft_tokens=s.max_draft_tokens,
-                             draft_sampling=s.draft_sampling, proposer=s.proposer, ngram_min=s.ngram_min,
+                             draft_sampling=s.draft_sampling, proposer=s.proposer, head=s.head, ngram_min=s.ngram_min,
                              ngram_max=s.ngram_max)
     engine = build_engine(with_models(models, target, draft), spec, max_model_len=max_len, max_batch=batch)
     stats = SpecStats()

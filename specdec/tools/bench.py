@@ -38,7 +38,8 @@ class BenchSettings:
     prompts: list[str]
     params: SamplingParams  # max_tokens = tokens per run; ignore_eos is set
     ks: list  # ints and/or "auto"
-    proposer: str  # draft | ngram | composite
+    proposer: str  # draft | ngram | composite | head
+    head: str | None = None  # a trained head's directory (proposer head; None: the shipped one)
     max_draft_tokens: int = 8
     draft_sampling: str = "probabilistic"
     ngram_min: int = 1
@@ -122,7 +123,7 @@ def build_configs(models: Models, s: BenchSettings, hf_paths: tuple | None = Non
     for k in s.ks:
         spec = SpeculativeConfig(draft=models.draft_name, num_draft_tokens=k, max_draft_tokens=s.max_draft_tokens,
                                  draft_sampling=s.draft_sampling, proposer=s.proposer,
-                                 ngram_min=s.ngram_min, ngram_max=s.ngram_max)
+                                 head=s.head, ngram_min=s.ngram_min, ngram_max=s.ngram_max)
         configs.append(Ours(f"{s.proposer} k={k}", build_engine(models, spec, s.max_seq_len), k, s.proposer))
     if hf_paths is not None:
         target = load_transformers(hf_paths[0])

@@ -61,9 +61,9 @@ SPEC_FLAGS = ("num_draft_tokens", "max_draft_tokens", "draft_sampling", "draft_d
 def _spec_from_flags(a, proposer: str | None, k) -> SpeculativeConfig:
     spec = SpeculativeConfig(draft=a.draft, num_draft_tokens=k, max_draft_tokens=a.max_draft_tokens,
                              draft_sampling=a.draft_sampling, draft_dtype=a.draft_dtype, proposer=proposer,
-                             ngram_min=a.ngram_min, ngram_max=a.ngram_max)
+                             ngram_min=a.ngram_min, ngram_max=a.ngram_max, head=a.head)
     spec.check_unused()
-    if spec.proposer != "ngram":
+    if spec.proposer not in ("ngram", "head"):
         check_model_dtype("draft_dtype", spec.draft_dtype, spec.draft, "draft")
     return spec
 
@@ -71,7 +71,7 @@ def _spec_from_flags(a, proposer: str | None, k) -> SpeculativeConfig:
 def spec_config(a) -> SpeculativeConfig | None:
     """generate's and serve's speculation flags: None (plain decoding) when neither --draft nor
     --proposer is given, and then any other speculation flag would be ignored, so it is refused."""
-    if a.draft is None and a.proposer is None:
+    if a.draft is None and a.proposer is None and a.head is None:
         defaults = SpeculativeConfig.__dataclass_fields__
         for name in SPEC_FLAGS:
             value = getattr(a, name)
@@ -79,7 +79,7 @@ def spec_config(a) -> SpeculativeConfig | None:
                     else value != defaults[name].default):
                 flag = "--" + name.replace("_", "-")
                 raise SpecdecError(f"{name}={value!r} needs a proposer ({flag} would be ignored); allowed "
-                                   "with --draft MODEL or --proposer ngram|composite", name)
+                                   "with --draft MODEL, --head DIR or --proposer ngram|composite|head", name)
         return None
     return _spec_from_flags(a, a.proposer, a.num_draft_tokens)
 
@@ -159,19 +159,19 @@ def add_verify_args(p: argparse.ArgumentParser) -> None:
 def cmd_verify(a, models=None) -> int:
     """models: preloaded specdec.loader.Models (tests); otherwise loaded from --model/--draft."""
     _setup(a)
-    proposer = a.proposer or ("draft" if a.draft is not None else "ngram")
+    proposer = _spec_from_flags(a, a.proposer, "auto").proposer
     k = parse_ks(a.num_draft_tokens)
     if len(k) != 1:
         raise SpecdecError(f"verify takes one num_draft_tokens value, got {a.num_draft_tokens!r}; allowed: "
                            f"one integer in [0, {MAX_DRAFT_TOKENS}] or 'auto'", "num_draft_tokens")
     settings = VerifySettings(
         params=sampling_params(a, seed=False), proposer=proposer, k=k[0], max_draft_tokens=_max_draft(a),
-        draft_sampling=a.draft_sampling, ngram_min=a.ngram_min, ngram_max=a.ngram_max,
+        draft_sampling=a.draft_sampling, ngram_min=a.ngram_min, ngram_max=a.ngram_max, head=a.head,
         prefix=a.prefix, n=a.n, samples=a.samples, max_seconds=a.max_seconds, batch=a.batch,
         seed=0 if a.seed is None else a.seed, alpha=a.alpha, control=a.control)
     if models is None:
-        models = load_models(a.model, a.draft if proposer != "ngram" else None, a.dtype, a.draft_dtype,
-                             a.device)
+        models = load_models(a.model, a.draft if proposer in ("draft", "composite") else None, a.dtype,
+                             a.draft_dtype, a.device)
     with Progress(console=Console(stderr=True), transient=True, disable=a.json) as prog:
         task = prog.add_task("sampling", total=settings.samples)
         result = run_verify(models, settings, progress=lambda done, _: prog.update(task, completed=done))
@@ -218,9 +218,10 @@ def cmd_bench(a, models=None) -> int:
     settings = bench.BenchSettings(
         prompts=prompts, params=params, ks=ks, proposer=proposer,
         max_draft_tokens=_max_draft(a), draft_sampling=a.draft_sampling, ngram_min=a.ngram_min,
-        ngram_max=a.ngram_max, repeats=a.repeats, raw=a.raw, compare=[a.compare] if a.compare else [])
+        ngram_max=a.ngram_max, head=a.head, repeats=a.repeats, raw=a.raw, compare=[a.compare] if a.compare else [])
     if models is None:
-        models = load_models(a.model, a.draft if proposer != "ngram" else None, a.dtype, a.draft_dtype, a.device)
+        models = load_models(a.model, a.draft if proposer in ("draft", "composite") else None, a.dtype,
+                             a.draft_dtype, a.device)
     settings.max_seq_len = context_length(models, a.max_model_len)
     hf_paths = None
     if a.compare == "transformers":

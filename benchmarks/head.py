@@ -1,0 +1,75 @@
+"""The draft head against the other proposers: plain decoding, the head at fixed k and adaptive k,
+n-gram lookup (adaptive k), and for the Qwen pair the 0.5B draft (q4_0, k = 4, the demo's), on
+the same prompts, interleaved per prompt (`specdec bench`'s own runner and table). Decode
+tokens/s exclude the prompt; speedups are per-prompt ratios to plain, median over prompts; greedy
+speculative output must equal plain token for token (`greedy_mismatches`).
+
+    .venv/bin/python benchmarks/head.py --model smollm2-135m --head DIR --prompts chat
+    .venv/bin/python benchmarks/head.py --model qwen2.5-coder-1.5b --head DIR --prompts humaneval --draft
+
+Held out: the chat set and HumanEval are never in a head's training data (specdec.head.data).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+from serve import cpu_name  # (benchmarks/serve.py: the CPU named in every log)
+
+from specdec.config import SamplingParams, SpeculativeConfig
+from specdec.loader import build_engine, load_models
+from specdec.tools import bench
+from specdec.tools.prompts import load_prompts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--head", default=None, help="a trained head (default: the shipped one)")
+    ap.add_argument("--draft", action="store_true", help="also the 0.5B draft (Qwen pair)")
+    ap.add_argument("--prompts", default="chat")
+    ap.add_argument("--num-prompts", type=int, default=10)
+    ap.add_argument("--ks", default="2,3,4,auto")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    draft = "qwen2.5-coder-0.5b" if a.draft else None
+    t0 = time.perf_counter()
+    models = load_models(a.model, draft, "native", "q4_0")
+    load_s = time.perf_counter() - t0
+    prompts = load_prompts(a.prompts, a.num_prompts)
+    params = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, seed=0 if a.temperature else None)
+    settings = bench.BenchSettings(prompts=prompts, params=params, ks=[], proposer="head", head=a.head,
+                                   max_seq_len=4096)
+    configs = [bench.Ours(bench.PLAIN, build_engine(models, None, 4096), 0)]
+    for k in a.ks.split(","):
+        k = k if k == "auto" else int(k)
+        spec = SpeculativeConfig(proposer="head", head=a.head, num_draft_tokens=k)
+        configs.append(bench.Ours(f"head k={k}", build_engine(models, spec, 4096), k, "head"))
+    configs.append(bench.Ours("ngram k=auto", build_engine(models, SpeculativeConfig(proposer="ngram"), 4096),
+                              "auto", "ngram"))
+    if draft:
+        spec = SpeculativeConfig(draft=draft, num_draft_tokens=4, draft_dtype="q4_0")
+        configs.append(bench.Ours("draft 0.5b q4_0 k=4", build_engine(models, spec, 4096), 4, "draft"))
+    runs = bench.run_bench(models, settings, configs,
+                           progress=lambda what: print(what, flush=True) if "prompt" in what else None)
+    summary = bench.summarise(runs, configs, settings.params)
+    head = configs[1].engine.proposer.head
+    size = sum(p.numel() for p in head.parameters())
+    title = (f"{a.model}, {len(prompts)} {a.prompts} prompts x {a.max_tokens} tokens, T={a.temperature}, "
+             f"{a.threads} threads, {cpu_name()}")
+    bench.print_table(summary, title)
+    print(f"head: {size / 1e6:.2f} M parameters ({head.cfg.draft_vocab} draft tokens, MLP {head.cfg.intermediate}); "
+          f"held-out acceptance at training: {json.dumps(head.cfg.held_out)}")
+    print(json.dumps({"benchmark": "head", "model": a.model, "cpu": cpu_name(), "prompts": a.prompts,
+                      "num_prompts": len(prompts), "max_tokens": a.max_tokens, "temperature": a.temperature,
+                      "threads": a.threads, "load_s": round(load_s, 1), "head_params": size, **summary}))
+
+
+if __name__ == "__main__":
+    main()

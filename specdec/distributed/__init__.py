@@ -1,0 +1,1 @@
+"""Running one model over several processes (pipeline parallel: pipeline.py, docs/distributed.md)."""

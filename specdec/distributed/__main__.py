@@ -1,0 +1,7 @@
+"""`python -m specdec.distributed --model M --pipeline-parallel N`: a pipeline stage other than rank 0."""
+
+import sys
+
+from specdec.distributed.pipeline import main
+
+sys.exit(main())

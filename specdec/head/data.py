@@ -1,0 +1,189 @@
+"""Training data for a draft head, made on this machine without any download.
+
+Prompts: code tasks built from the Python standard library's own functions (signature and
+docstring, in the format of the HumanEval benchmark prompts, whose functions they are not), and
+open-ended chat requests from specdec's own templates and topics (none of them the benchmark's
+chat prompts). The target answers each one (self-distillation: the head learns the text the target
+itself writes), and `harvest` keeps every position's token and final hidden state.
+Held out: `specdec bench`'s prompt sets (HumanEval, the chat set) are never trained on.
+"""
+
+from __future__ import annotations
+
+import ast
+import random
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+MAX_PROMPT = 1024  # longer training prompts are skipped (the KV cache is sized for this)
+
+CHAT_TEMPLATES = [
+    "Explain {t} to a curious teenager.",
+    "What are the most common misconceptions about {t}?",
+    "Write a short poem about {t}.",
+    "Give me five practical tips related to {t}.",
+    "Describe the history of {t} in a few paragraphs.",
+    "What would a beginner need to know about {t}?",
+    "Write a short story in which {t} plays an important role.",
+    "Compare {t} with something similar and explain the differences.",
+    "Why is {t} important? Answer in a short essay.",
+    "Write a blog post introduction about {t}.",
+    "Summarise the pros and cons of {t}.",
+    "How would you teach {t} to a group of children?",
+    "Write a friendly letter to a friend telling them about {t}.",
+    "List some interesting facts about {t} and explain each one.",
+    "What questions should I ask an expert on {t}?",
+]
+
+CHAT_TOPICS = [
+    "photosynthesis", "the water cycle", "volcanoes", "black holes", "the moon landing",
+    "honey bees", "compound interest", "learning a new language", "jazz music", "the Roman empire",
+    "sleep hygiene", "electric cars", "recycling plastic", "coral reefs", "chess openings",
+    "the printing press", "earthquakes", "public speaking", "meditation", "gardening in small spaces",
+    "the human heart", "renewable energy", "ancient Egypt", "mountain hiking", "bread baking",
+    "time management", "the internet", "dinosaurs", "the stock market", "migratory birds",
+    "friendship", "minimalism", "space telescopes", "tea ceremonies", "rainforests",
+    "the Olympic games", "origami", "bicycles", "running a marathon", "city parks",
+    "deserts", "the periodic table", "impressionist painting", "saving money", "octopuses",
+    "trains", "volunteering", "solar panels", "the ocean tides", "board games",
+    "the French revolution", "camping", "penguins", "the immune system's white blood cells",
+    "wind turbines", "classical music", "journaling", "libraries", "coffee", "snow",
+    "the brain", "kindness", "museums", "robots", "pizza", "elephants", "rivers", "bridges",
+    "music festivals", "job interviews", "moving to a new city", "healthy breakfasts",
+    "video games", "podcasts", "birdwatching", "the solar system", "pottery", "yoga",
+    "farming", "the Silk Road", "submarines", "glaciers", "hot air balloons", "pirates",
+    "wolves", "tornadoes", "the Great Wall of China", "writing a resume", "teamwork",
+    "smartphones", "knitting", "astronauts", "fossils", "the rule of law", "democracy",
+    "artificial intelligence", "rainbows", "photography", "skateboarding", "lighthouses at night",
+]
+
+
+def chat_prompts() -> list[str]:
+    return [t.format(t=topic) for topic in CHAT_TOPICS for t in CHAT_TEMPLATES]
+
+
+def code_prompts(limit: int | None = None) -> list[str]:
+    """'Complete this Python function' tasks: each a standard-library function's signature and
+    docstring (public functions with a docstring of 2+ lines), HumanEval's format."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out = []
+    for path in sorted(root.glob("*.py")) + sorted(root.glob("*/*.py")):
+        if "test" in path.parts[-2:][0] or path.name.startswith("test"):
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, OSError):
+            continue
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+                continue
+            doc = ast.get_docstring(node)
+            if not doc or doc.count("\n") < 1 or len(doc) > 1200:
+                continue
+            args = ast.unparse(node.args)
+            ret = f" -> {ast.unparse(node.returns)}" if node.returns else ""
+            body = "\n".join("    " + line if line else "" for line in doc.splitlines())
+            code = f"def {node.name}({args}){ret}:\n    \"\"\"{body.strip()}\n    \"\"\"\n"
+            out.append(f"Complete this Python function. Reply with code only.\n\n```python\n{code}```")
+    return out[:limit] if limit else out
+
+
+def training_prompts(seed: int, n_code: int | None = None, n_chat: int | None = None) -> list[tuple[str, str]]:
+    """[(kind, prompt)] shuffled with `seed`: code and chat interleaved."""
+    rng = random.Random(seed)
+    code, chat = code_prompts(), chat_prompts()
+    rng.shuffle(code)
+    rng.shuffle(chat)
+    code, chat = code[:n_code] if n_code else code, chat[:n_chat] if n_chat else chat
+    items = [("code", p) for p in code] + [("chat", p) for p in chat]
+    rng.shuffle(items)
+    return items
+
+
+@dataclass
+class Sequence:
+    """One prompt and the target's answer: tokens [n] and final hidden states [n, dim] (fp16;
+    hidden[j] is f_j, the state whose logits predict tokens[j + 1]); the last token has none
+    (it was never fed), so hidden has n - 1 rows."""
+
+    tokens: list[int]
+    hidden: torch.Tensor
+    prompt_len: int
+    kind: str
+    index: int = -1  # the prompt's place in harvest's list
+
+
+@torch.inference_mode()
+def harvest(model, tokenizer, prompts: list[tuple[str, str]], max_new: int, batch: int, seed: int,
+            sampled_share: float = 0.3, temperature: float = 0.7, deadline: float | None = None,
+            token_budget: int | None = None, on_sequence=None) -> list[Sequence]:
+    """The target answers each prompt (greedy, or sampled at `temperature` for a `sampled_share`
+    of them: the head also meets the target's less likely text), `batch` rows decoding at once;
+    a finished row takes the next prompt. Starts no new prompt after `deadline`
+    (time.monotonic()) or once `token_budget` tokens (prompts + answers) are written.
+    on_sequence(seq): told each finished sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    eos = set(tokenizer.eos_token_ids)
+    context = min(model.args.max_seq_len, MAX_PROMPT + max_new + 1)
+    cache = model.new_cache(batch, context)
+    rows: list[dict | None] = [None] * batch
+    done: list[Sequence] = []
+    todo = list(enumerate(prompts))
+
+    def start(row: int) -> None:
+        while todo:
+            index, (kind, text) = todo.pop(0)
+            ids = tokenizer.encode_prompt(text)
+            if len(ids) > MAX_PROMPT or len(ids) + max_new >= context:
+                continue
+            n = len(ids)
+            logits, hidden = model.forward(torch.tensor([ids]), torch.arange(n).view(1, n), cache,
+                                           rows=torch.tensor([row]), return_hidden=True,
+                                           logits_at=torch.tensor([[n - 1]]))
+            cache.set_length(row, n)
+            rows[row] = dict(kind=kind, index=index, tokens=list(ids), prompt_len=n, hidden=[hidden[0].half()], fed=n,
+                             sampled=rng.random() < sampled_share, logits=logits[0, 0])
+            return
+        rows[row] = None
+
+    def pick(r: dict) -> int:
+        lg = r["logits"][: tokenizer.vocab_size].float()
+        if r["sampled"]:
+            return int(torch.multinomial((lg / temperature).softmax(-1), 1, generator=gen))
+        return int(lg.argmax())
+
+    for row in range(batch):
+        start(row)
+    while any(r is not None for r in rows):
+        live = [b for b, r in enumerate(rows) if r is not None]
+        for b in live:  # choose the next token; finish rows that are done
+            r = rows[b]
+            t = pick(r)
+            r["tokens"].append(t)
+            if t in eos or len(r["tokens"]) - r["prompt_len"] >= max_new:
+                seq = Sequence(r["tokens"], torch.cat(r["hidden"]), r["prompt_len"], r["kind"], r["index"])
+                done.append(seq)
+                if on_sequence is not None:
+                    on_sequence(seq)
+                written = sum(len(x.tokens) for x in done)
+                if (deadline is not None and time.monotonic() > deadline) or (
+                        token_budget is not None and written >= token_budget):
+                    todo.clear()
+                start(b)
+        live = [b for b, r in enumerate(rows) if r is not None and r["fed"] < len(r["tokens"])]
+        if not live:
+            continue
+        tok = torch.tensor([[rows[b]["tokens"][-1]] for b in live])
+        pos = torch.tensor([[len(rows[b]["tokens"]) - 1] for b in live])
+        logits, hidden = model.forward(tok, pos, cache, rows=torch.tensor(live), return_hidden=True)
+        for i, b in enumerate(live):
+            rows[b]["logits"] = logits[i, 0]
+            rows[b]["hidden"].append(hidden[i].half())
+            rows[b]["fed"] += 1
+            cache.set_length(b, rows[b]["fed"])
+    return done

@@ -1,0 +1,446 @@
+"""`specdec train-head`: harvest the target's hidden states, train a draft head, measure it on
+held-out prompts, save it. Resumable: the work directory keeps the harvested shards and the last
+checkpoint; a second run with the same --out continues where the first stopped.
+
+Recipe (docs/draft-head.md says what each choice bought):
+  1. harvest (specdec.head.data): the target answers training prompts (code from the standard
+     library, chat from our templates), greedy or sampled; every position's token and final
+     hidden state f_j are kept (fp16);
+  2. draft vocabulary: the Vd most frequent tokens of that data (plus EOS);
+  3. train: pairs (f_j, x_{j+1}) -> the target's next-token distribution (its own output head on
+     f_{j+1}, restricted to the draft vocabulary; soft cross-entropy) + a regression of g on
+     f_{j+1}, for `steps` unrolled draft steps (each fed its own predicted feature);
+  4. held out (`specdec bench`'s own prompt sets, never trained on): the exact greedy acceptance
+     at each draft position, from the target's greedy answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from specdec.config import MAX_SEED
+from specdec.errors import SpecdecError, check_float, check_int
+from specdec.errors import lenient_float as _float
+from specdec.errors import lenient_int as _int
+from specdec.head import attach
+from specdec.head.data import Sequence, harvest, training_prompts
+from specdec.head.model import DraftHead, HeadConfig
+from specdec.loader import load_model
+from specdec.runtime.hub import REGISTRY, resolve_model
+from specdec.tools.prompts import CHAT_PROMPTS, humaneval
+
+STEP_WEIGHTS = (1.0, 0.8, 0.6, 0.5, 0.4)  # loss weight of each unrolled draft step
+REGRESSION = 0.5  # weight of the feature regression beside the distribution's cross-entropy
+WINDOW = 384  # positions per training window
+
+
+@dataclass
+class TrainSettings:
+    out: Path
+    minutes: float = 50.0  # the whole run: harvest, training and held-out measurement
+    harvest_share: float = 0.45  # most of the budget spent harvesting
+    harvest_tokens: int = 300_000  # harvest until this many tokens (prompts + answers)
+    epochs: float = 2.0  # passes over the harvested pairs (or until the budget ends)
+    draft_vocab: int = 8192
+    intermediate: int | None = None  # the head's MLP width (default: the target's)
+    steps: int = 3  # unrolled draft steps in training
+    max_new: int = 256  # answer tokens per training prompt
+    batch: int = 16  # harvest rows decoding together
+    tokens_per_batch: int = 3072  # training batch size in pairs
+    lr: float = 1e-3
+    seed: int = 0
+    held_out_code: int = 20  # HumanEval prompts for the held-out measurement
+    held_out_new: int = 128
+
+
+# ---- harvested shards ---------------------------------------------------------------------------
+def save_shard(path: Path, seqs: list[tuple[int, Sequence]]) -> None:
+    toks = torch.tensor([t for _, s in seqs for t in s.tokens], dtype=torch.int32)
+    meta = {"items": json.dumps([[i, len(s.tokens), s.prompt_len, s.kind] for i, s in seqs])}
+    tmp = path.with_suffix(".tmp")
+    save_file({"tokens": toks, "hidden": torch.cat([s.hidden for _, s in seqs]).contiguous()}, str(tmp),
+              metadata=meta)
+    tmp.replace(path)
+
+
+def load_shards(work: Path) -> list[tuple[int, Sequence]]:
+    out = []
+    for path in sorted(work.glob("data-*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            items = json.loads(f.metadata()["items"])
+            toks, hidden = f.get_tensor("tokens").tolist(), f.get_tensor("hidden")
+        a = h = 0
+        for i, n, plen, kind in items:
+            out.append((i, Sequence(toks[a: a + n], hidden[h: h + n - 1], plen, kind)))
+            a, h = a + n, h + n - 1
+    return out
+
+
+# ---- vocabulary and windows -------------------------------------------------------------------
+def draft_vocabulary(seqs: list[Sequence], size: int, vocab_size: int, always: set[int]) -> torch.Tensor:
+    """The `size` most frequent next tokens of the data (answers counted 4x: they are what the
+    head drafts), plus `always` (EOS), sorted ids [Vd]."""
+    counts = torch.zeros(vocab_size, dtype=torch.float64)
+    for s in seqs:
+        t = torch.tensor(s.tokens[1:])
+        counts.index_add_(0, t, torch.ones(len(t), dtype=torch.float64))
+        ans = torch.tensor(s.tokens[s.prompt_len:])
+        counts.index_add_(0, ans, torch.full((len(ans),), 3.0, dtype=torch.float64))
+    for t in always:
+        counts[t] = float("inf")
+    ids = counts.topk(min(size, vocab_size)).indices
+    return ids.sort().values
+
+
+def windows(seqs: list[Sequence], width: int) -> list[tuple[int, int, int]]:
+    """(sequence, first pair, last pair + 1): pairs j need f_j and the target f_{j+1}, so a
+    sequence with h hidden rows has pairs 0..h-2."""
+    out = []
+    for i, s in enumerate(seqs):
+        n = len(s.hidden) - 1
+        for a in range(0, n, width):
+            if min(a + width, n) - a >= 8:
+                out.append((i, a, min(a + width, n)))
+    return out
+
+
+def batches(wins, tokens_per_batch: int, rng: random.Random) -> list[list[tuple[int, int, int]]]:
+    wins = sorted(wins, key=lambda w: w[2] - w[1])
+    out, cur = [], []
+    for w in wins:
+        if cur and (len(cur) + 1) * (w[2] - w[1]) > tokens_per_batch:
+            out.append(cur)
+            cur = []
+        cur.append(w)
+    if cur:
+        out.append(cur)
+    rng.shuffle(out)
+    return out
+
+
+def collate(seqs: list[Sequence], batch, dim: int):
+    """feats f_j [B, T, d], tokens x_{j+1} [B, T], targets f_{j+1} [B, T, d], positions, valid."""
+    T = max(b - a for _, a, b in batch)
+    B = len(batch)
+    feats, targets = torch.zeros(B, T, dim), torch.zeros(B, T, dim)
+    tokens = torch.zeros(B, T, dtype=torch.long)
+    pos = torch.zeros(B, T, dtype=torch.long)
+    valid = torch.zeros(B, T, dtype=torch.bool)
+    for r, (i, a, b) in enumerate(batch):
+        s, n = seqs[i], b - a
+        feats[r, :n] = s.hidden[a:b].float()
+        targets[r, :n] = s.hidden[a + 1: b + 1].float()
+        tokens[r, :n] = torch.tensor(s.tokens[a + 1: b + 1])
+        pos[r] = torch.arange(a, a + T)
+        valid[r, :n] = True
+    return feats, tokens, targets, pos, valid
+
+
+def loss_fn(head: DraftHead, feats, tokens, targets, pos, valid, steps: int):
+    """(total loss, per-step top-1 agreement with the target on the draft vocabulary)."""
+    with torch.no_grad():
+        teacher = head.logits(targets).softmax(-1)  # [B, T, Vd]: the target's p on the draft vocabulary
+        top = teacher.argmax(-1)
+    gs = head.unroll(feats, tokens, pos, steps)
+    total, agree = 0.0, []
+    for s, g in enumerate(gs):
+        m = valid.clone()
+        m[:, :s] = False  # step s + 1 at index j reads a step-s prediction from j - 1
+        logp = head.logits(g).log_softmax(-1)
+        ce = -(teacher * logp).sum(-1)
+        reg = F.smooth_l1_loss(g, targets, reduction="none").mean(-1)
+        total = total + STEP_WEIGHTS[s] * ((ce + REGRESSION * reg)[m]).mean()
+        agree.append(float((logp.argmax(-1) == top)[m].float().mean()))
+    return total, agree
+
+
+# ---- held-out acceptance ----------------------------------------------------------------------
+@torch.no_grad()
+def acceptance(head: DraftHead, seqs: list[Sequence], k: int = 5) -> dict:
+    """Exact greedy acceptance on the target's greedy answers: from every answer position, the
+    head drafts k tokens as it would in decoding (true pairs up to there, then its own predicted
+    features); accepted = the drafts equal to the target's next tokens, up to the first miss.
+    Returns per-position acceptance rates (given the earlier ones accepted) and the mean tokens
+    per round (accepted + 1) for k = 1..k."""
+    acc = torch.zeros(k + 1)  # rounds whose run of accepted drafts is >= s, s = 0..k
+    rounds = 0
+    for s in seqs:
+        n = len(s.hidden) - 1  # pairs 0..n-1 with hidden; we need tokens up to j + k + 1
+        if n < 2:
+            continue
+        T = n
+        feats = s.hidden[:T].float().unsqueeze(0)
+        tokens = torch.tensor(s.tokens[1: T + 1]).unsqueeze(0)
+        gs = head.unroll(feats, tokens, torch.arange(T).unsqueeze(0), k)
+        drafts = torch.stack([head.logits(g[0]).argmax(-1) for g in gs])  # [k, T] draft-vocab index
+        drafts = head.vocab[drafts]
+        truth = torch.tensor(s.tokens)
+        starts = range(max(s.prompt_len - 1, 0), T - k)  # round starts inside the answer
+        for j0 in starts:
+            run = 0
+            while run < k and int(drafts[run, j0 + run]) == int(truth[j0 + run + 2]):
+                run += 1
+            acc[: run + 1] += 1
+            rounds += 1
+    if not rounds:
+        return {"rounds": 0}
+    at = (acc[1:] / acc[:-1].clamp(min=1)).tolist()  # P(draft s accepted | drafts < s accepted)
+    mean = [1 + float(acc[1: kk + 1].sum() / rounds) for kk in range(1, k + 1)]
+    return {"rounds": rounds, "acceptance_at": [round(a, 4) for a in at],
+            "tokens_per_round": {str(kk): round(m, 3) for kk, m in zip(range(1, k + 1), mean)}}
+
+
+def held_out_sequences(model, tokenizer, st: TrainSettings) -> dict[str, list[Sequence]]:
+    sets = {"chat": [("chat", p) for p in CHAT_PROMPTS],
+            "code": [("code", p) for p in humaneval(st.held_out_code)]}
+    return {name: harvest(model, tokenizer, ps, st.held_out_new, st.batch, st.seed, sampled_share=0.0)
+            for name, ps in sets.items()}
+
+
+# ---- the run -------------------------------------------------------------------------------------
+def train_head(model, tokenizer, target: str, sha256: str, st: TrainSettings, console=None) -> dict:
+    """Harvest, train and measure within st.minutes; returns the saved head's config (a dict)."""
+    torch.manual_seed(st.seed)
+    t_start = time.monotonic()
+    deadline = t_start + 60 * st.minutes
+    work = st.out / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    state_path = work / "state.json"
+    state = json.loads(state_path.read_text()) if state_path.exists() else {"spent_s": 0.0}
+    deadline -= state["spent_s"]  # a resumed run keeps the first run's budget
+
+    def save_state(**kw):
+        state.update(kw, spent_s=state["spent_s"] + time.monotonic() - t_start)
+        state_path.write_text(json.dumps(state))
+        state["spent_s"] -= time.monotonic() - t_start  # (counted once, at the end)
+
+    console = console or Console(stderr=True)
+
+    def log(line: str) -> None:  # a log file (no live progress bar) gets lines instead
+        if not console.is_terminal:
+            console.print(f"{time.strftime('%H:%M:%S')} {line}", highlight=False, soft_wrap=True)
+
+    prompts = training_prompts(st.seed)
+    have = load_shards(work)
+    done_ids = {i for i, _ in have}
+    harvest_end = t_start + 60 * st.minutes * st.harvest_share - state["spent_s"]
+    cols = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed:.0f}/{task.total}"),
+            TextColumn("{task.fields[info]}"), TimeElapsedColumn())
+    with Progress(*cols, console=console, transient=False) as progress:
+        todo = [(i, p) for i, p in enumerate(prompts) if i not in done_ids]
+        if todo and time.monotonic() < harvest_end and not state.get("harvest_done"):
+            task = progress.add_task("harvest", total=len(prompts), completed=len(done_ids), info="")
+            t0, n_tok = time.monotonic(), 0
+
+            buf: list[tuple[int, Sequence]] = []
+
+            def on_sequence(seq: Sequence) -> None:  # a shard every 32 answers (resumable)
+                nonlocal n_tok
+                buf.append((todo[seq.index][0], seq))
+                n_tok += len(seq.tokens)
+                if len(buf) >= 32:
+                    flush()
+                progress.update(task, advance=1, info=f"{n_tok / (time.monotonic() - t0):.0f} tok/s, "
+                                                      f"{n_tok + done_tokens} tokens")
+
+            def flush() -> None:
+                if buf:
+                    n = len(list(work.glob("data-*.safetensors")))
+                    save_shard(work / f"data-{n:04d}.safetensors", buf)
+                    have.extend(buf)
+                    buf.clear()
+                    log(f"harvest: {len(have)} answers, {n_tok + done_tokens} tokens, "
+                        f"{n_tok / (time.monotonic() - t0):.0f} tok/s")
+
+            done_tokens = sum(len(s.tokens) for _, s in have)
+            harvest(model, tokenizer, [p for _, p in todo], st.max_new, st.batch, st.seed + len(done_ids),
+                    deadline=harvest_end, token_budget=st.harvest_tokens - done_tokens, on_sequence=on_sequence)
+            flush()
+            save_state(harvest_done=True)
+        seqs = [s for _, s in have]
+        if not seqs:
+            raise SpecdecError("no training data: the harvest budget ran out before one answer finished; "
+                               "give --minutes more time", "minutes")
+        eos = set(tokenizer.eos_token_ids)
+        ids = draft_vocabulary(seqs, st.draft_vocab, model.args.vocab_size, eos)
+        cfg = HeadConfig.for_target(model.args, target, sha256, len(ids), st.intermediate)
+        head = DraftHead(cfg)
+        head.vocab = ids
+        attach(head, model)
+        with torch.no_grad():
+            head.w_o.copy_(model.norm)
+        opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=st.lr, weight_decay=0.0)
+        ckpt = work / "checkpoint.pt"
+        step = 0
+        if ckpt.exists():
+            saved = torch.load(ckpt, weights_only=False)
+            if saved["config"] == cfg.__dict__ | {"train": {}, "held_out": {}}:
+                head.load_state_dict(saved["head"])
+                opt.load_state_dict(saved["opt"])
+                step = saved["step"]
+        coverage = _coverage(seqs, ids)
+        # held-out measurement needs a few minutes at the end: train until then
+        reserve_s = 90 + 4 * st.held_out_code
+        train_end = deadline - reserve_s
+        rng = random.Random(st.seed)
+        wins = windows(seqs, WINDOW)
+        n_pairs = sum(b - a for _, a, b in wins)
+        est_total = None
+        task = progress.add_task("train", total=None, info="steps")
+        t0, seen, ema = time.monotonic(), 0, None
+        epoch = 0
+        head.train()
+        total_pairs = st.epochs * n_pairs
+        while time.monotonic() < train_end and seen < total_pairs:
+            for batch in batches(wins, st.tokens_per_batch, rng):
+                if time.monotonic() >= train_end or seen >= total_pairs:
+                    break
+                lr = st.lr * min(1.0, (step + 1) / 50)
+                if est_total:
+                    lr *= 0.5 * (1 + math.cos(math.pi * min(1.0, step / est_total)))
+                for gp in opt.param_groups:
+                    gp["lr"] = lr
+                feats, tokens, targets, pos, valid = collate(seqs, batch, cfg.dim)
+                loss, agree = loss_fn(head, feats, tokens, targets, pos, valid, st.steps)
+                opt.zero_grad()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+                opt.step()
+                step += 1
+                seen += int(valid.sum())
+                lv = loss.item()
+                ema = lv if ema is None else 0.95 * ema + 0.05 * lv
+                rate = seen / (time.monotonic() - t0)
+                if est_total is None and step == 20:  # steps that fit the budget, for the cosine decay
+                    fit = (train_end - time.monotonic()) * rate
+                    est_total = step + int(min(fit, total_pairs - seen) / (seen / step))
+                progress.update(task, completed=step, total=est_total,
+                                info=f"epoch {epoch}, loss {ema:.3f}, top-1 {agree[0]:.2f}/{agree[-1]:.2f}, "
+                                     f"{rate:.0f} pairs/s")
+                if step % 50 == 0:
+                    log(f"train: step {step}/{est_total}, epoch {epoch}, loss {ema:.3f}, "
+                        f"top-1 per step {' '.join(f'{x:.2f}' for x in agree)}, {rate:.0f} pairs/s")
+                if step % 200 == 0:
+                    torch.save({"config": cfg.__dict__ | {"train": {}, "held_out": {}}, "head": head.state_dict(),
+                                "opt": opt.state_dict(), "step": step}, ckpt)
+            epoch += 1
+        head.eval()
+        task = progress.add_task("held out", total=None, info="the target answers bench prompts")
+        held = held_out_sequences(model, tokenizer, st)
+        results = {name: acceptance(head, s) for name, s in held.items()}
+        progress.update(task, completed=1, total=1, info="")
+    cfg.train = {"data": "stdlib code prompts + specdec chat templates, answered by the target",
+                 "sequences": len(seqs), "tokens": sum(len(s.tokens) for s in seqs), "pairs": n_pairs,
+                 "epochs": round(seen / max(n_pairs, 1), 2), "steps": step, "seed": st.seed,
+                 "minutes": st.minutes, "unrolled_steps": st.steps, "draft_vocab": len(ids),
+                 "draft_vocab_coverage": coverage, "window": WINDOW, "lr": st.lr}
+    cfg.held_out = results
+    head.cfg = cfg
+    head.save(st.out)
+    save_state(finished=True)
+    return cfg.__dict__
+
+
+def _coverage(seqs: list[Sequence], ids: torch.Tensor) -> float:
+    """Share of answer tokens inside the draft vocabulary."""
+    inside = torch.zeros(int(ids.max()) + 1, dtype=torch.bool)
+    inside[ids] = True
+    ans = [t for s in seqs for t in s.tokens[s.prompt_len:]]
+    return round(sum(1 for t in ans if t < len(inside) and inside[t]) / max(len(ans), 1), 4)
+
+
+# ---- the command ---------------------------------------------------------------------------------
+def add_args(p: argparse.ArgumentParser) -> None:
+    d = TrainSettings(out=Path("."))
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="where the head is written (head.safetensors + head.json); DIR/work keeps the "
+                        "harvested data and checkpoints, so running the same command again resumes")
+    p.add_argument("--minutes", type=_float, default=d.minutes, help="budget for the whole run, (0, 1440]")
+    p.add_argument("--seed", type=_int, default=d.seed, help="prompt order, sampling and initialisation")
+    p.add_argument("--harvest-tokens", type=_int, default=d.harvest_tokens,
+                   help="training tokens the target writes (prompts + answers), >= 1000")
+    p.add_argument("--harvest-share", type=_float, default=d.harvest_share,
+                   help="most of the budget the harvest may take, (0, 1)")
+    p.add_argument("--epochs", type=_float, default=d.epochs, help="passes over the harvested data, > 0")
+    p.add_argument("--draft-vocab", type=_int, default=d.draft_vocab,
+                   help="tokens the head can draft (the most frequent in the data), [256, V]")
+    p.add_argument("--intermediate", type=_int, default=768, help="the head's MLP width, [16, 65536]")
+    p.add_argument("--steps", type=_int, default=d.steps, help="draft steps unrolled in training, [1, 5]")
+    p.add_argument("--max-new", type=_int, default=d.max_new, help="answer tokens per training prompt, [16, 4096]")
+    p.add_argument("--batch", type=_int, default=d.batch, help="harvest rows decoding together, [1, 64]")
+
+
+def settings_from(a) -> TrainSettings:
+    """Every flag checked (name and allowed range) before anything is loaded."""
+    return TrainSettings(
+        out=Path(a.out).expanduser(),
+        minutes=check_float("minutes", a.minutes, 0.0, 1440.0, lo_open=True),
+        seed=check_int("seed", a.seed, 0, MAX_SEED),
+        harvest_tokens=check_int("harvest_tokens", a.harvest_tokens, 1000, None),
+        harvest_share=check_float("harvest_share", a.harvest_share, 0.0, 1.0, lo_open=True, hi_open=True),
+        epochs=check_float("epochs", a.epochs, 0.0, 1000.0, lo_open=True),
+        draft_vocab=check_int("draft_vocab", a.draft_vocab, 256, None),
+        intermediate=check_int("intermediate", a.intermediate, 16, 65536),
+        steps=check_int("steps", a.steps, 1, len(STEP_WEIGHTS)),
+        max_new=check_int("max_new", a.max_new, 16, 4096),
+        batch=check_int("batch", a.batch, 1, 64))
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while b := f.read(1 << 22):
+            h.update(b)
+    return h.hexdigest()
+
+
+def cmd_train_head(a) -> int:
+    st = settings_from(a)
+    if a.threads is not None:
+        torch.set_num_threads(check_int("threads", a.threads, 1, None))
+    if (st.out / "work" / "state.json").is_file() and json.loads(
+            (st.out / "work" / "state.json").read_text()).get("finished"):
+        raise SpecdecError(f"{st.out} already holds a finished head; choose another --out, or delete it", "out")
+    try:
+        st.out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SpecdecError(f"cannot create --out {st.out}: {e.strerror}", "out") from None
+    model, tok = load_model(a.model, a.dtype, a.device)
+    if tok is None:
+        raise SpecdecError("train-head needs the model's tokenizer", "model")
+    if st.draft_vocab > model.args.vocab_size:
+        raise SpecdecError(f"draft_vocab={st.draft_vocab} exceeds the model's vocabulary; allowed: "
+                           f"[256, {model.args.vocab_size}]", "draft_vocab")
+    if a.model in REGISTRY:
+        sha = REGISTRY[a.model].sha256
+    else:
+        path = Path(resolve_model(a.model))
+        sha = _file_sha256(path) if path.is_file() else ""
+    console = Console(stderr=True)
+    t0 = time.monotonic()
+    cfg = train_head(model, tok, str(a.model), sha, st, console=console)
+    for name, r in cfg["held_out"].items():
+        if r.get("rounds"):
+            per = ", ".join(f"{x:.2f}" for x in r["acceptance_at"])
+            console.print(f"held-out {name}: acceptance per draft position [{per}]; tokens per round "
+                          + ", ".join(f"k={k}: {v:.2f}" for k, v in r["tokens_per_round"].items()))
+    console.print(f"head written to {st.out} ({sum(p.stat().st_size for p in st.out.glob('head.*')) / 1e6:.1f} MB)")
+    print(json.dumps({"command": "train-head", "model": str(a.model), "out": str(st.out),
+                      "seconds": round(time.monotonic() - t0, 1), **{k: cfg[k] for k in ("train", "held_out")}}))
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,218 @@
+"""Draft-head proposer: drafts from the target's own hidden states with a trained head
+(specdec.head.model), which borrows the target's embedding and output rows.
+
+Pairs and the cache (per request; pair j = (f_j, x_{j+1}), f_j the target's final hidden state at
+position j, its slot in the head's cache j):
+  - the target's prompt prefill hands over f_0..f_{L-2} (`observe_hidden`); every round's result
+    hands over the features of the inputs whose logits produced its committed tokens
+    (RowResult.hidden): so the features of every committed pair arrive, true ones, never the
+    head's own guesses;
+  - `prefill` feeds all those pairs but the last; `propose` feeds the rest (one forward per row
+    batch: the last pair's output is d_1), then its own pairs (g, d_i) for d_2..d_k;
+  - after the round the head keeps only the true pairs (rollback is arithmetic: the drafted pairs'
+    slots are overwritten by the next round's true ones).
+q is the head's distribution after the request's transforms over the full vocabulary, zero outside
+the draft vocabulary (or one-hot when it drafts greedily): lossless by construction.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from specdec.head.model import DraftHead, HeadCache
+from specdec.proposers.base import Proposal, ProposerBase
+from specdec.proposers.draft_model import draw
+from specdec.round import RowResult
+from specdec.runtime.kv_cache import common_prefix
+
+
+class HeadProposer(ProposerBase):
+    name = "head"
+    wants_hidden_states = True
+
+    def __init__(self, head: DraftHead, vocab_size: int, max_seq_len: int,
+                 draft_sampling: str = "probabilistic", headroom: int = 33):
+        self.head = head
+        self.V = vocab_size  # the real (tokenizer) vocabulary
+        self.ids = head.vocab[head.vocab < vocab_size]  # draft ids inside it
+        self.rows_out = head.out[head.vocab < vocab_size]  # [Vd', d]
+        self.capacity = max_seq_len + headroom
+        self.draft_sampling = draft_sampling
+        self.cache = HeadCache(1, head.cfg.n_kv_heads, head.cfg.head_dim, self.capacity)
+        # Per row: the target's true features for positions start.. (kept while the row holds the
+        # request, and after it for the next one's shared prefix), the tokens they belong to, and
+        # how many pairs have KV in the head's cache (its length after a round).
+        self.feats: dict[int, list[torch.Tensor]] = {}
+        self._fed: dict[int, int] = {}
+        self._kept: dict[int, list[int]] = {}  # a free row's tokens
+        self.forward_time = 0.0
+        self.forwards = 0
+
+    def reserve(self, n_rows: int) -> None:
+        if n_rows > self.cache.rows:
+            self.cache = HeadCache(n_rows, self.head.cfg.n_kv_heads, self.head.cfg.head_dim, self.capacity)
+            self.feats.clear()  # (the rows' KV is gone with the old cache)
+            self._kept.clear()
+
+    def begin(self, req) -> None:
+        """The row keeps the target's features of the prefix it shares with its last request
+        (f_j depends on tokens <= j), as the target keeps its KV: a prompt served from the
+        target's prefix cache still has its features. The head's own pairs are fed again (one
+        layer: cheap), so its drafts never depend on what the row held before."""
+        row = req.row
+        kept = self._kept.pop(row, None)
+        n = common_prefix(kept, req.tokens, len(req.tokens)) if kept else 0
+        start = self.cache.start[row]
+        if n <= start or row not in self.feats:
+            self.cache.start[row] = self.cache.length[row] = self._fed[row] = 0
+            self.feats[row] = []
+            return
+        f = self._all(row)[: n - start]
+        self.feats[row] = [f] if len(f) else []
+        self._fed[row] = self.cache.length[row] = start
+
+    def release(self, req) -> None:
+        self._kept[req.row] = list(req.tokens)
+        self.cache.length[req.row] = self._fed[req.row]
+
+    def _all(self, row: int) -> torch.Tensor:
+        """The row's true features [n, d], positions start..start+n-1."""
+        f = self.feats[row]
+        if len(f) > 1:
+            self.feats[row] = f = [torch.cat(f)]
+        return f[0] if f else torch.zeros(0, self.head.cfg.dim)
+
+    # ---- features in --------------------------------------------------------------------------
+    def observe_hidden(self, req, start: int, hidden: torch.Tensor) -> None:
+        """The target's final hidden states [n, dim] at committed positions start..start+n-1."""
+        row = req.row
+        have = self.cache.start[row] + sum(len(h) for h in self.feats[row])
+        if start > have:  # features for have..start-1 never came (another row's KV was copied in)
+            self.feats[row] = []
+            self.cache.start[row] = self.cache.length[row] = self._fed[row] = start
+            have = start
+        if start + len(hidden) > have:
+            self.feats[row].append(hidden[have - start:].float())
+
+    def share_prefix(self, req, donor, n: int) -> None:
+        """Take the donor's features for positions < n (its KV was copied into req's row)."""
+        if self.cache.start[donor.row] != 0 or donor.row not in self.feats:
+            return
+        f = self._all(donor.row)[:n]
+        if len(f) > sum(len(h) for h in self.feats[req.row]) + self.cache.start[req.row]:
+            self.feats[req.row] = [f]
+            self.cache.start[req.row] = self.cache.length[req.row] = self._fed[req.row] = 0
+
+    def accept(self, req, result: RowResult) -> None:
+        """Roll back to the true pairs and queue the round's features (pairs L-1..L-2+m)."""
+        row = req.row
+        self.cache.length[row] = self._fed[row]
+        if result.hidden is not None:
+            self.observe_hidden(req, len(req.tokens) - len(result.committed) - 1, result.hidden)
+
+    def skip(self, req) -> None:
+        """Another part of a composite drafted: keep the true pairs (the features still arrive)."""
+        self.cache.length[req.row] = self._fed[req.row]
+
+    def _pairs(self, req, n_keep: int = 0) -> tuple[int, torch.Tensor, list[int]] | None:
+        """(first index, features [n, d], next tokens) of the row's pairs without KV yet, all
+        but the last n_keep; None if there are none."""
+        row = req.row
+        a, start = self._fed[row], self.cache.start[row]
+        f = self._all(row)[a - start:]
+        n = min(len(f), len(req.tokens) - 1 - a) - n_keep
+        if n <= 0:
+            return None
+        return a, f[:n], req.tokens[a + 1: a + 1 + n]
+
+    def _feed(self, reqs, chunks) -> torch.Tensor:
+        """One head forward over each row's pairs (padded at the end); g [B, T, d]."""
+        T = max(len(c[1]) for c in chunks)
+        B, d = len(reqs), self.head.cfg.dim
+        feats = torch.zeros(B, T, d)
+        tokens = torch.zeros(B, T, dtype=torch.long)
+        pos = torch.zeros(B, T, dtype=torch.long)
+        for b, (a, f, toks) in enumerate(chunks):
+            feats[b, : len(f)] = f
+            tokens[b, : len(toks)] = torch.tensor(toks, dtype=torch.long)
+            pos[b] = torch.arange(a, a + T).clamp(max=self.capacity - 1)
+        t0 = time.perf_counter()
+        g = self.head.step(feats, tokens, pos, self.cache, [r.row for r in reqs])
+        self.forward_time += time.perf_counter() - t0
+        self.forwards += 1
+        return g
+
+    def _consume(self, req, n: int) -> None:
+        """The next n pairs now have KV."""
+        self._fed[req.row] += n
+        self.cache.length[req.row] = self._fed[req.row]
+
+    @torch.inference_mode()
+    def prefill(self, reqs) -> None:
+        """KV for every pending pair but the last (the prompt's)."""
+        todo = [(r, c) for r in reqs if (c := self._pairs(r, n_keep=1)) is not None]
+        if todo:
+            self._feed([r for r, _ in todo], [c for _, c in todo])
+            for r, (_, f, _) in todo:
+                self._consume(r, len(f))
+
+    # ---- drafting -------------------------------------------------------------------------------
+    def _logits(self, g: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits [B, V]: the head's on its draft vocabulary, -inf elsewhere."""
+        out = torch.full((g.shape[0], self.V), float("-inf"))
+        out[:, self.ids] = g @ self.rows_out.T
+        return out
+
+    @torch.inference_mode()
+    def propose(self, reqs, ks: list[int], only=None) -> Proposal:
+        B, k = len(reqs), max(ks)
+        drafts = torch.zeros(B, k, dtype=torch.long)
+        num_draft = torch.zeros(B, dtype=torch.long)
+        needs_q = self.draft_sampling == "probabilistic" and any(
+            not r.params.greedy and not r.params.stable for r in reqs)
+        q_all = torch.zeros(B, k, self.V) if needs_q else None
+        chunks = {b: c for b, r in enumerate(reqs) if ks[b] > 0 and (c := self._pairs(r)) is not None}
+        live = list(chunks)
+        if not live or k == 0:
+            return Proposal(tokens=drafts, num_draft=num_draft, q=q_all)
+        sub = [reqs[b] for b in live]
+        chunks = [chunks[b] for b in live]
+        last = torch.tensor([len(c[1]) - 1 for c in chunks])
+        g = self._feed(sub, chunks)[torch.arange(len(sub)), last]  # [n, d] at each row's last pair
+        for r, c in zip(sub, chunks):
+            self._consume(r, len(c[1]))
+        ix = torch.tensor(live)
+        # greedy rows with nothing that changes the argmax (penalties, a grammar)
+        plain = all(r.params.greedy and not r.params.has_penalties and not r.params.constrained for r in reqs)
+        alive = {b: ks[b] for b in live}  # rows still drafting -> their k
+        for i in range(k):
+            rows_i = [b for b in live if b in alive and alive[b] > i]
+            if not rows_i:
+                break
+            if plain:  # argmax on the draft vocabulary itself: no full-vocabulary logits
+                d = torch.zeros(B, dtype=torch.long)
+                d[ix] = self.ids[(g @ self.rows_out.T).argmax(-1)]
+                q, dead = None, torch.zeros(B, dtype=torch.bool)
+            else:
+                logits = torch.full((B, self.V), float("-inf"))
+                logits[ix] = self._logits(g)
+                d, q, dead = draw(logits, reqs, drafts[:, :i], set(rows_i), self.draft_sampling, needs_q)
+            for b in rows_i:
+                if dead[b]:
+                    del alive[b]
+                else:
+                    drafts[b, i] = d[b]
+                    num_draft[b] = i + 1
+                    if q_all is not None:
+                        q_all[b, i] = q[b]
+            if i + 1 < k and any(b in alive and alive[b] > i + 1 for b in live):
+                pos = torch.tensor([[self._fed[reqs[b].row] + i] for b in live]).clamp(max=self.capacity - 1)
+                t0 = time.perf_counter()
+                g = self.head.step(g.unsqueeze(1), drafts[ix, i: i + 1], pos, self.cache,
+                                   [reqs[b].row for b in live])[:, 0]
+                self.forward_time += time.perf_counter() - t0
+                self.forwards += 1
+        return Proposal(tokens=drafts, num_draft=num_draft, q=q_all)
+
