@@ -335,7 +335,7 @@ def train_head(model, tokenizer, target: str, sha256: str, st: TrainSettings, co
                 if step % 50 == 0:
                     log(f"train: step {step}/{est_total}, epoch {epoch}, loss {ema:.3f}, "
                         f"top-1 per step {' '.join(f'{x:.2f}' for x in agree)}, {rate:.0f} pairs/s")
-                if step % 200 == 0:
+                if step % 25 == 0:
                     torch.save({"config": cfg.__dict__ | {"train": {}, "held_out": {}}, "head": head.state_dict(),
                                 "opt": opt.state_dict(), "step": step}, ckpt)
             epoch += 1
