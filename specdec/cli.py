@@ -120,7 +120,7 @@ def _add_constraint_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from specdec.distributed.pipeline import add_pipeline_args
+    from specdec.distributed import add_pipeline_args
     from specdec.head import train
     from specdec.serve.server import add_serve_args
     from specdec.tools import commands

@@ -51,7 +51,8 @@ import torch
 import torch.distributed as dist
 
 from specdec.config import ModelArgs
-from specdec.errors import SpecdecError, check_int, lenient_int
+from specdec.distributed import add_pipeline_args
+from specdec.errors import SpecdecError, check_int
 from specdec.loader import default_device, load_model
 from specdec.runtime.hub import resolve_model
 from specdec.runtime.kv_cache import KVCache
@@ -514,15 +515,6 @@ def parse_layers(text: str | None) -> list[int] | None:
     except ValueError:
         raise SpecdecError(f"pipeline_layers={text!r} is not a comma-separated list of layer counts; "
                            "allowed e.g. 7,23", "pipeline_layers") from None
-
-
-def add_pipeline_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pipeline-parallel", type=lenient_int, default=1, metavar="N",
-                   help="split the target's layers over N processes (torch.distributed: gloo on CPU, "
-                        "NCCL on CUDA); started here on loopback, or across machines with RANK, "
-                        "WORLD_SIZE, MASTER_ADDR, MASTER_PORT set (docs/distributed.md)")
-    p.add_argument("--pipeline-layers", default=None, metavar="N,N,...",
-                   help="layers per stage, rank 0 first (default: about equal memory per process)")
 
 
 def main(argv=None) -> int:
