@@ -49,6 +49,8 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.proposer = proposer
+        # a proposer that reads the target's hidden states (a draft head) is told them every round
+        self.hidden_to = proposer if proposer is not None and proposer.wants_hidden_states else None
         free = {p.name for p in proposer.parts() if not p.runs_a_model} if proposer is not None else set()
         self.policy = k_policy(num_draft_tokens if proposer is not None else 0, max_draft_tokens,
                                k_cost, free_sources=free)
@@ -164,8 +166,8 @@ class Engine:
         if donor is not None:
             self.cache.copy_prefix(donor.row, req.row, have)
             req.cached_tokens = max(req.cached_tokens, min(have, len(req.prompt)))
-            if self.proposer is not None and self.proposer.wants_hidden_states:
-                self.proposer.share_prefix(req, donor, have)
+            if self.hidden_to is not None:
+                self.hidden_to.share_prefix(req, donor, have)
 
     def abort_all(self) -> None:
         for r in list(self.active):
@@ -221,9 +223,8 @@ class Engine:
                 else:
                     leaders.append(head)
             copies += [(r, [head]) for r in rs if r is not head]
-        wants = self.proposer is not None and self.proposer.wants_hidden_states
         todo = kv_prefill(self.model, self.cache, leaders, self.prefill_chunk,
-                          on_hidden=self.proposer.observe_hidden if wants else None)
+                          on_hidden=self.hidden_to and self.hidden_to.observe_hidden)
         for r, sources in copies:
             self._copy_in(r, sources)
         done = [r for r in pending if ready(r)]
@@ -287,7 +288,7 @@ class Engine:
         last = torch.tensor([[r.tokens[-1]] for r in reqs], device=dev)
         feed = torch.cat([last, prop.tokens.to(dev)], dim=1)  # [B, k + 1]
         positions = (L - 1).unsqueeze(1) + torch.arange(k + 1, device=dev)  # [B, k + 1]
-        want_hidden = self.proposer is not None and self.proposer.wants_hidden_states
+        want_hidden = self.hidden_to is not None
         t0 = time.perf_counter()
         out = self.model.forward(feed, positions, self.cache, rows=rows_arg(reqs, dev),
                                  return_hidden=want_hidden)
@@ -351,9 +352,8 @@ class Engine:
         out_l, n_emit_l, nd_l = out.tolist(), n_emit.tolist(), prop.num_draft.tolist()  # one sync
         sources = prop.source or [None] * len(reqs)
         drafting = sum(1 for n in nd_l if n)
-        # A proposer is told about rounds it was asked to draft for, and one that reads the
-        # target's hidden states about every round (it needs the features of every committed token).
-        proposed = self.proposer is not None and (any(c.k for c in choices) or self.proposer.wants_hidden_states)
+        # a proposer is told about rounds it was asked to draft for (one that reads hidden states: all)
+        proposed = self.hidden_to is not None or (self.proposer is not None and any(c.k for c in choices))
         rows = []
         for b, r in enumerate(reqs):
             L = len(r.tokens)

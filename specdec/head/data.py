@@ -133,6 +133,7 @@ def harvest(model, tokenizer, prompts: list[tuple[str, str]], max_new: int, batc
     cache = model.new_cache(batch, context)
     rows: list[dict | None] = [None] * batch
     done: list[Sequence] = []
+    written = 0  # tokens (prompts + answers) of the finished sequences
     todo = list(enumerate(prompts))
 
     def start(row: int) -> None:
@@ -170,7 +171,7 @@ def harvest(model, tokenizer, prompts: list[tuple[str, str]], max_new: int, batc
                 done.append(seq)
                 if on_sequence is not None:
                     on_sequence(seq)
-                written = sum(len(x.tokens) for x in done)
+                written += len(seq.tokens)
                 if (deadline is not None and time.monotonic() > deadline) or (
                         token_budget is not None and written >= token_budget):
                     todo.clear()
