@@ -284,3 +284,27 @@ def test_shipped_head_greedy_equals_plain_on_smollm2(smollm2_models):
         drafted = sum(r.stats.draft_tokens for r in got)
         accepted = sum(r.stats.accepted_tokens for r in got)
         assert drafted > 0 and accepted > 0, (accepted, drafted)
+
+
+def test_train_head_command_end_to_end(tmp_path, capsys):
+    """`specdec train-head` as a user runs it, on a tiny checkpoint with a tokenizer: harvest,
+    train, held-out measurement, a head that loads and drafts; the same --out again is a clear
+    error (the head is finished), and a bad flag names itself."""
+    from specdec.cli import main
+    from tiny_hf import write_tiny_hf
+
+    model = write_tiny_hf(tmp_path / "m", vocab=300)
+    out = tmp_path / "head"
+    flags = ["train-head", "--model", model, "--out", str(out), "--minutes", "1", "--harvest-tokens", "3000",
+             "--epochs", "2", "--draft-vocab", "256", "--intermediate", "32", "--max-new", "24",
+             "--batch-pairs", "256", "--threads", "1"]
+    assert main(flags) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["train"]["steps"] >= 1 and report["train"]["tokens"] >= 3000
+    assert report["held_out"]["chat"]["rounds"] > 0 and len(report["held_out"]["code"]["acceptance_at"]) == 5
+    head = DraftHead.load(out)
+    assert head.cfg.draft_vocab == 256 and head.cfg.train["batch_pairs"] == 256
+    assert main(flags) == 2
+    assert "already holds a finished head" in capsys.readouterr().err
+    assert main([*flags[:-4], "--lr", "0", "--threads", "1"]) == 2
+    assert "lr" in capsys.readouterr().err

@@ -37,6 +37,7 @@ from specdec.errors import SpecdecError
 from specdec.runtime.model import rope_tables
 
 HEAD_FORMAT = 1  # bumped when the saved layout changes
+LINEARS = ("fc", "wqkv", "wo", "w_gate_up", "w_down")
 WEIGHTS, CONFIG = "head.safetensors", "head.json"
 
 
@@ -117,6 +118,7 @@ class DraftHead(nn.Module):
         self.embed: torch.Tensor | None = None  # [V, d] the target's embedding (not saved)
         self.out: torch.Tensor | None = None  # [Vd, d] the target's output rows for `vocab`
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._kernels: dict | None = None  # prepared weights for drafting (`prepare`)
 
     # ---- the target's parts ----------------------------------------------------------------
     def attach(self, embed: torch.Tensor, output: torch.Tensor) -> "DraftHead":
@@ -127,6 +129,22 @@ class DraftHead(nn.Module):
         self.embed = embed
         self.out = output[self.vocab].contiguous()
         return self
+
+    def prepare(self) -> "DraftHead":
+        """Draft on the runtime's own batch-invariant kernels: each linear as bf16 (a saved head's
+        own values, so drafting equals `unroll` on a loaded head), streamed at half the bytes of
+        fp32. Training never calls this (its weights move)."""
+        from specdec.runtime.kernels import prepare_weight
+
+        self._kernels = {n: prepare_weight(getattr(self, n).weight, "bf16") for n in LINEARS}
+        return self
+
+    def _lin(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        if self._kernels is not None:
+            from specdec.runtime.kernels import linear
+
+            return linear(x.contiguous(), self._kernels[name])
+        return getattr(self, name)(x)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         need = int(positions.max()) + 1 if positions.numel() else 1
@@ -140,13 +158,13 @@ class DraftHead(nn.Module):
         """z [B, T, d] from features f_j [B, T, d] and next tokens x_{j+1} [B, T]."""
         eps = self.cfg.norm_eps
         e = self.embed[tokens]
-        return self.fc(torch.cat([rms(e, self.w_e, eps), rms(feats.float(), self.w_f, eps)], -1))
+        return self._lin("fc", torch.cat([rms(e, self.w_e, eps), rms(feats.float(), self.w_f, eps)], -1))
 
     def _qkv(self, z: torch.Tensor, positions: torch.Tensor):
         """q [B, H, T, D], k, v [B, Hkv, T, D] with RoPE at `positions` [B, T]."""
         c = self.cfg
         B, T, _ = z.shape
-        qkv = self.wqkv(rms(z, self.w_a, c.norm_eps))
+        qkv = self._lin("wqkv", rms(z, self.w_a, c.norm_eps))
         q, k, v = qkv.split([c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.head_dim], -1)
         cos, sin = self.rope(positions)
         q = rotate(q.view(B, T, c.n_heads, c.head_dim), cos, sin).transpose(1, 2)
@@ -157,9 +175,9 @@ class DraftHead(nn.Module):
         """g [B, T, d] from z and the attention output o [B, H, T, D]."""
         eps = self.cfg.norm_eps
         B, H, T, D = o.shape
-        x = z + self.wo(o.transpose(1, 2).reshape(B, T, H * D))
-        gate, up = self.w_gate_up(rms(x, self.w_m, eps)).chunk(2, -1)
-        x = x + self.w_down(F.silu(gate) * up)
+        x = z + self._lin("wo", o.transpose(1, 2).reshape(B, T, H * D))
+        gate, up = self._lin("w_gate_up", rms(x, self.w_m, eps)).chunk(2, -1)
+        x = x + self._lin("w_down", F.silu(gate) * up)
         return rms(x, self.w_o, eps)
 
     def logits(self, g: torch.Tensor) -> torch.Tensor:

@@ -47,6 +47,7 @@ from specdec.tools.prompts import CHAT_PROMPTS, humaneval
 STEP_WEIGHTS = (1.0, 0.8, 0.6, 0.5, 0.4)  # loss weight of each unrolled draft step
 REGRESSION = 0.5  # weight of the feature regression beside the distribution's cross-entropy
 WINDOW = 384  # positions per training window
+CHECKPOINT_S = 60.0  # seconds between checkpoints (a stopped run loses at most this much training)
 
 
 @dataclass
@@ -61,8 +62,9 @@ class TrainSettings:
     steps: int = 3  # unrolled draft steps in training
     max_new: int = 256  # answer tokens per training prompt
     batch: int = 16  # harvest rows decoding together
-    tokens_per_batch: int = 3072  # training batch size in pairs
-    lr: float = 1e-3
+    tokens_per_batch: int = 1024  # training batch size in pairs (small: many optimizer steps pay more)
+    lr: float = 2e-3
+    warmup: int = 30  # optimizer steps of linear warm-up
     seed: int = 0
     held_out_code: int = 20  # HumanEval prompts for the held-out measurement
     held_out_new: int = 128
@@ -295,7 +297,7 @@ def train_head(model, tokenizer, target: str, sha256: str, st: TrainSettings, co
                 step = saved["step"]
         coverage = _coverage(seqs, ids)
         # held-out measurement needs a few minutes at the end: train until then
-        reserve_s = 90 + 4 * st.held_out_code
+        reserve_s = min(90 + 4 * st.held_out_code, 12 * st.minutes)  # a fifth of a short budget
         train_end = deadline - reserve_s
         rng = random.Random(st.seed)
         wins = windows(seqs, WINDOW)
@@ -303,6 +305,7 @@ def train_head(model, tokenizer, target: str, sha256: str, st: TrainSettings, co
         est_total = None
         task = progress.add_task("train", total=None, info="steps")
         t0, seen, ema = time.monotonic(), 0, None
+        saved_at = t0
         epoch = 0
         head.train()
         total_pairs = st.epochs * n_pairs
@@ -310,7 +313,7 @@ def train_head(model, tokenizer, target: str, sha256: str, st: TrainSettings, co
             for batch in batches(wins, st.tokens_per_batch, rng):
                 if time.monotonic() >= train_end or seen >= total_pairs:
                     break
-                lr = st.lr * min(1.0, (step + 1) / 50)
+                lr = st.lr * min(1.0, (step + 1) / st.warmup)
                 if est_total:
                     lr *= 0.5 * (1 + math.cos(math.pi * min(1.0, step / est_total)))
                 for gp in opt.param_groups:
@@ -335,7 +338,8 @@ def train_head(model, tokenizer, target: str, sha256: str, st: TrainSettings, co
                 if step % 50 == 0:
                     log(f"train: step {step}/{est_total}, epoch {epoch}, loss {ema:.3f}, "
                         f"top-1 per step {' '.join(f'{x:.2f}' for x in agree)}, {rate:.0f} pairs/s")
-                if step % 25 == 0:
+                if time.monotonic() - saved_at > CHECKPOINT_S:
+                    saved_at = time.monotonic()
                     torch.save({"config": cfg.__dict__ | {"train": {}, "held_out": {}}, "head": head.state_dict(),
                                 "opt": opt.state_dict(), "step": step}, ckpt)
             epoch += 1
@@ -348,7 +352,8 @@ def train_head(model, tokenizer, target: str, sha256: str, st: TrainSettings, co
                  "sequences": len(seqs), "tokens": sum(len(s.tokens) for s in seqs), "pairs": n_pairs,
                  "epochs": round(seen / max(n_pairs, 1), 2), "steps": step, "seed": st.seed,
                  "minutes": st.minutes, "unrolled_steps": st.steps, "draft_vocab": len(ids),
-                 "draft_vocab_coverage": coverage, "window": WINDOW, "lr": st.lr}
+                 "draft_vocab_coverage": coverage, "window": WINDOW, "lr": st.lr,
+                 "batch_pairs": st.tokens_per_batch, "warmup": st.warmup}
     cfg.held_out = results
     head.cfg = cfg
     head.save(st.out)
@@ -381,6 +386,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="tokens the head can draft (the most frequent in the data), [256, V]")
     p.add_argument("--intermediate", type=_int, default=768, help="the head's MLP width, [16, 65536]")
     p.add_argument("--steps", type=_int, default=d.steps, help="draft steps unrolled in training, [1, 5]")
+    p.add_argument("--lr", type=_float, default=d.lr, help="peak learning rate (AdamW, cosine decay), (0, 1]")
+    p.add_argument("--batch-pairs", type=_int, default=d.tokens_per_batch,
+                   help="training pairs per optimizer step, [64, 65536]")
+    p.add_argument("--warmup", type=_int, default=d.warmup, help="optimizer steps of linear warm-up, [1, 100000]")
     p.add_argument("--max-new", type=_int, default=d.max_new, help="answer tokens per training prompt, [16, 4096]")
     p.add_argument("--batch", type=_int, default=d.batch, help="harvest rows decoding together, [1, 64]")
 
@@ -398,7 +407,10 @@ def settings_from(a) -> TrainSettings:
         intermediate=check_int("intermediate", a.intermediate, 16, 65536),
         steps=check_int("steps", a.steps, 1, len(STEP_WEIGHTS)),
         max_new=check_int("max_new", a.max_new, 16, 4096),
-        batch=check_int("batch", a.batch, 1, 64))
+        batch=check_int("batch", a.batch, 1, 64),
+        lr=check_float("lr", a.lr, 0.0, 1.0, lo_open=True),
+        tokens_per_batch=check_int("batch_pairs", a.batch_pairs, 64, 65536),
+        warmup=check_int("warmup", a.warmup, 1, 100000))
 
 
 def _file_sha256(path: Path) -> str:

@@ -25,6 +25,7 @@ from specdec.head.model import DraftHead, HeadCache
 from specdec.proposers.base import Proposal, ProposerBase
 from specdec.proposers.draft_model import draw
 from specdec.round import RowResult
+from specdec.runtime.kernels import linear, prepare_weight
 from specdec.runtime.kv_cache import common_prefix
 
 
@@ -34,10 +35,12 @@ class HeadProposer(ProposerBase):
 
     def __init__(self, head: DraftHead, vocab_size: int, max_seq_len: int,
                  draft_sampling: str = "probabilistic", headroom: int = 33):
-        self.head = head
+        self.head = head.prepare()  # (idempotent: a cached head is shared by engines)
         self.V = vocab_size  # the real (tokenizer) vocabulary
         self.ids = head.vocab[head.vocab < vocab_size]  # draft ids inside it
-        self.rows_out = head.out[head.vocab < vocab_size]  # [Vd', d]
+        # [Vd', d] the target's output rows for the draft ids, bf16 on the runtime's kernels (half
+        # the bytes of fp32; q is the head's distribution as computed here, whatever it rounds to)
+        self.rows_out = prepare_weight(head.out[head.vocab < vocab_size], "bf16")
         self.capacity = max_seq_len + headroom
         self.draft_sampling = draft_sampling
         self.cache = HeadCache(1, head.cfg.n_kv_heads, head.cfg.head_dim, self.capacity)
@@ -162,7 +165,7 @@ class HeadProposer(ProposerBase):
     def _logits(self, g: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits [B, V]: the head's on its draft vocabulary, -inf elsewhere."""
         out = torch.full((g.shape[0], self.V), float("-inf"))
-        out[:, self.ids] = g @ self.rows_out.T
+        out[:, self.ids] = linear(g, self.rows_out)
         return out
 
     @torch.inference_mode()
@@ -193,7 +196,7 @@ class HeadProposer(ProposerBase):
                 break
             if plain:  # argmax on the draft vocabulary itself: no full-vocabulary logits
                 d = torch.zeros(B, dtype=torch.long)
-                d[ix] = self.ids[(g @ self.rows_out.T).argmax(-1)]
+                d[ix] = self.ids[linear(g, self.rows_out).argmax(-1)]
                 q, dead = None, torch.zeros(B, dtype=torch.bool)
             else:
                 logits = torch.full((B, self.V), float("-inf"))
