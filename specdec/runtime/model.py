@@ -162,14 +162,17 @@ class Transformer:
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 mask: torch.Tensor | None = None, return_hidden: bool = False,
-                rows: torch.Tensor | None = None, logits_at: torch.Tensor | None = None):
+                rows: torch.Tensor | None = None, logits_at: torch.Tensor | None = None,
+                slots: torch.Tensor | None = None):
         """tokens, positions: [B, T] int64. mask: [B, T, T] bool over the new tokens, or None
         for causal. rows: [B] cache rows to use (default 0..B-1). logits_at: [B, n] indices
         into the T new positions that need logits (None: all T); a prefill needs none (n = 0)
         and a catch-up one, and the output head is the largest matmul of a small model.
+        slots: [B, T] the KV slot of each new token when it is not its position (a draft tree:
+        siblings share a position; needs `mask`, and the history is the slots before slots[:, 0]).
         Returns logits [B, T or n, V] (and the final hidden states [B, T, dim] when
         return_hidden)."""
-        step = self.plan(positions, rows, mask)
+        step = self.plan(positions, rows, mask, slots)
         x, d = self.run_layers(self.embed[tokens], None, step, cache)  # x: [B, T, dim]
         hidden = self.final_norm(x, d, step)
         logits = self.output(hidden, logits_at)
@@ -178,9 +181,9 @@ class Transformer:
     __call__ = forward
 
     def plan(self, positions: torch.Tensor, rows: torch.Tensor | None = None,
-             mask: torch.Tensor | None = None) -> fused.Step:
+             mask: torch.Tensor | None = None, slots: torch.Tensor | None = None) -> fused.Step:
         """What every layer of one forward shares (fused.plan on this model's RoPE tables)."""
-        return fused.plan(positions, rows, mask, self.cos, self.sin)
+        return fused.plan(positions, rows, mask, self.cos, self.sin, slots)
 
     def run_layers(self, x: torch.Tensor, d: torch.Tensor | None, step: fused.Step,
                    cache: KVCache) -> tuple[torch.Tensor, torch.Tensor | None]:

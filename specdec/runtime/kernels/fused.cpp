@@ -21,6 +21,9 @@
 // Attention semantics (as specdec.model documents): query (b, t) at position p sees the cache
 // slots <= p (causal), or, with mask [B, T, T], the slots before the block's first position
 // plus the slots of the new tokens the mask allows.  Slots are visited in increasing order.
+// A draft tree (slots [B, T], with a mask) separates a new token's KV slot from its RoPE
+// position: siblings share a position but not a slot; the block's history is then the slots
+// before its first slot.
 
 #include <torch/extension.h>
 
@@ -291,12 +294,14 @@ torch::Tensor silu_mul(const torch::Tensor& gu) {
 // ============================ attend: RoPE, KV write, attention =============
 // qkv [B, T, (H + 2 Hkv) D] (the fused projection, bias added); positions [B, T] int64;
 // cos, sin [P, D/2]; kc, vc [Bc, Hkv, S, D] one layer's cache (last dim contiguous);
-// rows [B] int64 cache row of each batch row, or None for 0..B-1; mask [B, T, T] bool or None.
-// Writes rope(k), v at (rows[b], :, positions[b, t]) and returns attention output [B, T, H D].
+// rows [B] int64 cache row of each batch row, or None for 0..B-1; mask [B, T, T] bool or None;
+// slots [B, T] int64 (with a mask only) the cache slot of each new token, or None: its position.
+// Writes rope(k), v at (rows[b], :, slots[b, t]) and returns attention output [B, T, H D].
 torch::Tensor attend(const torch::Tensor& qkv, const torch::Tensor& positions, const torch::Tensor& cos,
                      const torch::Tensor& sin, torch::Tensor kc, torch::Tensor vc,
                      const c10::optional<torch::Tensor>& rows_opt, const c10::optional<torch::Tensor>& mask_opt,
-                     int64_t H, int64_t Hkv, int64_t nthreads) {
+                     int64_t H, int64_t Hkv, int64_t nthreads,
+                     const c10::optional<torch::Tensor>& slots_opt) {
   check_f32(qkv, "qkv");
   check_f32(cos, "cos");
   check_f32(sin, "sin");
@@ -323,11 +328,19 @@ torch::Tensor attend(const torch::Tensor& qkv, const torch::Tensor& positions, c
     for (int64_t b = 0; b < B; ++b) row[b] = b;
   }
   for (int64_t b = 0; b < B; ++b) TORCH_CHECK(row[b] >= 0 && row[b] < Bc, "cache row out of range");
-  for (int64_t i = 0; i < B * T; ++i)
-    TORCH_CHECK(pos[i] >= 0 && pos[i] < S && pos[i] < P, "position ", pos[i], " outside the cache (", S,
-                " slots) or the RoPE table");
   torch::Tensor mask;
   const bool has_mask = mask_opt.has_value() && mask_opt->defined();
+  const bool has_slots = slots_opt.has_value() && slots_opt->defined();
+  TORCH_CHECK(!has_slots || has_mask, "slots need a mask (a draft tree's)");
+  torch::Tensor slots_t;
+  if (has_slots) {
+    slots_t = slots_opt->to(torch::kInt64).contiguous();
+    TORCH_CHECK(slots_t.dim() == 2 && slots_t.size(0) == B && slots_t.size(1) == T, "slots must be [B, T]");
+  }
+  const int64_t* sl = has_slots ? slots_t.data_ptr<int64_t>() : pos;
+  for (int64_t i = 0; i < B * T; ++i)
+    TORCH_CHECK(pos[i] >= 0 && pos[i] < P && sl[i] >= 0 && sl[i] < S, "position ", pos[i], " (slot ", sl[i],
+                ") outside the cache (", S, " slots) or the RoPE table (", P, ")");
   if (has_mask) mask = mask_opt->to(torch::kBool).expand({B, T, T}).contiguous();
   const bool* mp = has_mask ? mask.data_ptr<bool>() : nullptr;
 
@@ -360,10 +373,10 @@ torch::Tensor attend(const torch::Tensor& qkv, const torch::Tensor& positions, c
     // 1. the new keys (rotated) and values into the cache
 #pragma omp for schedule(static)
     for (int64_t idx = 0; idx < B * T * Hkv; ++idx) {
-      const int64_t bt = idx / Hkv, h = idx % Hkv, b = bt / T, p = pos[bt];
+      const int64_t bt = idx / Hkv, h = idx % Hkv, b = bt / T, p = pos[bt], s = sl[bt];
       const float* src = qp + bt * N + (H + h) * D;
-      rope_rot(src, cp + p * half, sp + p * half, kp + row[b] * ks0 + h * ks1 + p * ks2, half);
-      std::copy(src + Hkv * D, src + Hkv * D + D, vp + row[b] * vs0 + h * vs1 + p * vs2);
+      rope_rot(src, cp + p * half, sp + p * half, kp + row[b] * ks0 + h * ks1 + s * ks2, half);
+      std::copy(src + Hkv * D, src + Hkv * D + D, vp + row[b] * vs0 + h * vs1 + s * vs2);
     }
     // (implicit barrier: every new key is in place before any query reads the cache)
     std::vector<float> sc, e;
@@ -415,12 +428,12 @@ torch::Tensor attend(const torch::Tensor& qkv, const torch::Tensor& positions, c
       if (!has_mask) {
         for (int64_t j = 0; j <= p; ++j) js.push_back(static_cast<int32_t>(j));
       } else {
-        const int64_t p0 = pos[b * T];
+        const int64_t p0 = sl[b * T];
         int64_t top = p0;
-        for (int64_t u = 0; u < T; ++u) top = std::max(top, pos[b * T + u] + 1);
+        for (int64_t u = 0; u < T; ++u) top = std::max(top, sl[b * T + u] + 1);
         seen.assign(top, 0);
         for (int64_t j = 0; j < p0; ++j) seen[j] = 1;
-        for (int64_t u = 0; u < T; ++u) seen[pos[b * T + u]] = mp[(b * T + t) * T + u];
+        for (int64_t u = 0; u < T; ++u) seen[sl[b * T + u]] = mp[(b * T + t) * T + u];
         for (int64_t j = 0; j < top; ++j)
           if (seen[j]) js.push_back(static_cast<int32_t>(j));
       }

@@ -64,28 +64,37 @@ class Step:
     allowed: torch.Tensor | None = None  # fallback: [B, 1, T, S] bool
     rows_index: object = None  # fallback: slice or [B] index of the cache rows
     S: int = 0  # fallback: slots any query can see
+    slots: torch.Tensor | None = None  # [B, T] int64 KV slot of each new token (a draft tree's,
+    # with a mask), None: its position
 
 
 def plan(positions: torch.Tensor, rows: torch.Tensor | None, mask: torch.Tensor | None,
-         cos: torch.Tensor, sin: torch.Tensor) -> Step:
-    """positions [B, T]; cos, sin: the model's RoPE tables [P, D/2]."""
+         cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor | None = None) -> Step:
+    """positions [B, T]; cos, sin: the model's RoPE tables [P, D/2]; slots [B, T] (only with a
+    mask): where each new token's KV goes when that is not its position (a draft tree's siblings
+    share a position); the history any new token sees is then the slots before the first one."""
+    if slots is not None:
+        if mask is None:
+            raise ValueError("slots need a mask (a draft tree's)")
+        slots = slots.to(torch.int64).contiguous()
     if (os.environ.get("SPECDEC_KERNEL") != "torch" and positions.is_cpu and cos.dtype == torch.float32
             and (_ext is not None or available())):
         pos = positions if positions.dtype == torch.int64 and positions.is_contiguous() else \
             positions.to(torch.int64).contiguous()
-        return Step(True, pos, rows, mask, cos, sin)
+        return Step(True, pos, rows, mask, cos, sin, slots=slots)
     B, T = positions.shape
-    S = int(positions.max()) + 1  # slots any query can see (the fallback's one host sync)
-    slots = torch.arange(S, device=positions.device)
+    where = positions if slots is None else slots  # [B, T] the KV slot of each new token
+    S = int(where.max()) + 1  # slots any query can see (the fallback's one host sync)
+    every = torch.arange(S, device=positions.device)
     if mask is None:
-        allowed = slots.view(1, 1, S) <= positions.unsqueeze(-1)  # [B, T, S]
+        allowed = every.view(1, 1, S) <= positions.unsqueeze(-1)  # [B, T, S]
     else:
-        allowed = slots.view(1, 1, S) < positions[:, :1].unsqueeze(-1)  # history [B, 1, S]
+        allowed = every.view(1, 1, S) < where[:, :1].unsqueeze(-1)  # history [B, 1, S]
         allowed = allowed.expand(B, T, S).clone()
-        idx = positions.unsqueeze(1).expand(B, T, T)  # [B, T, T] slot of each new key
+        idx = where.unsqueeze(1).expand(B, T, T)  # [B, T, T] slot of each new key
         allowed.scatter_(2, idx, mask.expand(B, T, T))
     return Step(False, positions, rows, mask, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1),
-                allowed.unsqueeze(1), slice(0, B) if rows is None else rows, S)
+                allowed.unsqueeze(1), slice(0, B) if rows is None else rows, S, slots)
 
 
 def add_rms_norm(x: torch.Tensor, d: torch.Tensor | None, w: torch.Tensor, eps: float,
@@ -119,7 +128,7 @@ def attend(step: Step, qkv: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, H:
     and v at (rows, positions), returns softmax(q k^T / sqrt(D) | visible) v as [B, T, H D]."""
     if step.fast:
         return _ext.attend(qkv.contiguous(), step.positions, step.cos, step.sin, kc, vc, step.rows,
-                           step.mask, H, Hkv, torch.get_num_threads())
+                           step.mask, H, Hkv, torch.get_num_threads(), step.slots)
     B, T, N = qkv.shape
     D = N // (H + 2 * Hkv)
     positions = step.positions
@@ -129,8 +138,9 @@ def attend(step: Step, qkv: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, H:
     v = v.view(B, T, Hkv, D).transpose(1, 2)
     rows = torch.arange(B, device=qkv.device) if step.rows is None else step.rows
     row_idx = rows.view(B, 1).expand(B, T)
-    kc[row_idx, :, positions] = k.transpose(1, 2)  # index [B, T] -> [B, T, Hkv, D]
-    vc[row_idx, :, positions] = v.transpose(1, 2)
+    where = positions if step.slots is None else step.slots
+    kc[row_idx, :, where] = k.transpose(1, 2)  # index [B, T] -> [B, T, Hkv, D]
+    vc[row_idx, :, where] = v.transpose(1, 2)
     keys = kc[step.rows_index, :, :step.S]  # [B, Hkv, S, D]
     values = vc[step.rows_index, :, :step.S]
     o = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.allowed,

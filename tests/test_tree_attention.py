@@ -1,0 +1,93 @@
+"""Tree attention in our runtime: a draft tree's nodes are scored in one forward where each node
+sees the committed prefix and its own ancestors; its RoPE position is prefix + depth while its KV
+slot is its own (siblings share a position, not a slot). Every node's logits must be bit-identical
+to a plain causal forward over its path (what decoding that path would compute), on the fused
+extension and on the torch fallback; after the accepted path's KV is compacted into contiguous
+slots, decoding goes on exactly as if the path had been decoded plainly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from specdec.runtime.kernels import fused
+from specdec.tree import ancestor_mask, depths, path_to, tree_from_widths
+
+SHAPES = [(3, 2, 1), (2, 2, 2), (4,), (1, 3, 2)]
+
+
+def _tree_inputs(parents, tokens_of_nodes, L, root_token):
+    N = len(parents)
+    feed = torch.tensor([[root_token] + tokens_of_nodes])  # [1, N + 1]
+    positions = (L - 1 + depths(parents)).view(1, N + 1)
+    slots = (L - 1 + torch.arange(N + 1)).view(1, N + 1)
+    return feed, positions, slots, ancestor_mask(parents).unsqueeze(0)
+
+
+def same(kernel, a, b) -> bool:
+    """Bit-identical on the fused extension (batch-invariant by construction); the torch fallback
+    is not (its attention's reductions depend on the shapes), so there: equal to fp32 rounding."""
+    return torch.equal(a, b) if kernel == "fused" else torch.allclose(a, b, rtol=0, atol=1e-5)
+
+
+@pytest.fixture(params=["fused", "torch"])
+def kernel(request, monkeypatch):
+    if request.param == "fused" and not fused.available():
+        pytest.skip("the fused extension did not build on this machine")
+    if request.param == "torch":
+        monkeypatch.setenv("SPECDEC_KERNEL", "torch")
+    return request.param
+
+
+@pytest.mark.parametrize("widths", SHAPES)
+def test_tree_logits_equal_each_paths_causal_logits(kernel, widths):
+    model = tiny_model(seed=3, vocab=64)
+    g = torch.Generator().manual_seed(sum(widths))
+    parents = tree_from_widths(widths)
+    N = len(parents)
+    prompt = torch.randint(0, 64, (11,), generator=g).tolist()
+    nodes = torch.randint(0, 64, (N,), generator=g).tolist()
+    L = len(prompt)
+    cache = model.new_cache(1, 64)
+    model.forward(torch.tensor([prompt[:-1]]), torch.arange(L - 1).view(1, -1), cache)
+    feed, positions, slots, mask = _tree_inputs(parents, nodes, L, prompt[-1])
+    tree_logits = model.forward(feed, positions, cache, mask=mask, slots=slots)[0]  # [N + 1, V]
+    for j in range(-1, N):
+        path = path_to(parents, j)
+        seq = prompt + [nodes[i] for i in path]
+        ref_cache = model.new_cache(1, 64)
+        ref = model.forward(torch.tensor([seq]), torch.arange(len(seq)).view(1, -1), ref_cache)[0, -1]
+        assert same(kernel, tree_logits[j + 1], ref), (widths, j, path)
+
+
+def test_compacted_path_decodes_like_plain(kernel):
+    model = tiny_model(seed=4, vocab=64)
+    g = torch.Generator().manual_seed(7)
+    parents = tree_from_widths((2, 3, 2))
+    N = len(parents)
+    prompt = torch.randint(0, 64, (9,), generator=g).tolist()
+    nodes = torch.randint(0, 64, (N,), generator=g).tolist()
+    L = len(prompt)
+    cache = model.new_cache(1, 64)
+    model.forward(torch.tensor([prompt[:-1]]), torch.arange(L - 1).view(1, -1), cache)
+    feed, positions, slots, mask = _tree_inputs(parents, nodes, L, prompt[-1])
+    model.forward(feed, positions, cache, mask=mask, slots=slots)
+    accepted = path_to(parents, N - 3)  # a path through non-first siblings: slots far from depth
+    assert [int(slots[0, j + 1]) for j in accepted] != list(range(L, L + len(accepted)))
+    cache.compact(0, [L + j for j in accepted], L)
+    cache.set_length(0, L + len(accepted))
+    seq = prompt + [nodes[i] for i in accepted]
+    nxt = [5, 17, 33]
+    got = model.forward(torch.tensor([nxt]), torch.arange(len(seq), len(seq) + 3).view(1, -1), cache)[0]
+    ref_cache = model.new_cache(1, 64)
+    full = seq + nxt
+    ref = model.forward(torch.tensor([full]), torch.arange(len(full)).view(1, -1), ref_cache)[0, -3:]
+    assert same(kernel, got, ref)
+
+
+def test_slots_without_a_mask_are_refused():
+    model = tiny_model(seed=0)
+    cache = model.new_cache(1, 32)
+    with pytest.raises(ValueError, match="slots need a mask"):
+        model.forward(torch.tensor([[1, 2]]), torch.tensor([[0, 1]]), cache, slots=torch.tensor([[0, 1]]))
