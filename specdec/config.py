@@ -212,6 +212,9 @@ class SpeculativeConfig:
     # shipped for the target, specdec.head.shipped_head)
     ngram_min: int = 1
     ngram_max: int = 4
+    draft_tree: str | tuple | None = None  # children per depth ("3,2,1" or (3, 2, 1)): the draft
+    # model drafts a tree of its top candidates, verified losslessly in one forward; None / "off":
+    # a chain. Depth = len(widths), cut to the round's k.
 
     def __post_init__(self):
         self.draft = _path_or_name("draft", self.draft, "a model; allowed: a registry name, a .gguf "
@@ -228,6 +231,11 @@ class SpeculativeConfig:
         self.max_draft_tokens = check_int("max_draft_tokens", self.max_draft_tokens, 0, MAX_DRAFT_TOKENS)
         check_choice("draft_dtype", self.draft_dtype, DTYPES)
         check_choice("draft_sampling", self.draft_sampling, DRAFT_SAMPLING)
+        self.draft_tree = parse_draft_tree(self.draft_tree)
+        if self.draft_tree is not None and self.proposer != "draft":
+            raise SpecdecError(f"draft_tree={','.join(map(str, self.draft_tree))} needs proposer='draft' (the "
+                               f"draft model drafts the tree), not {self.proposer!r}; allowed: a draft model, "
+                               "or draft_tree='off'", "draft_tree")
 
     def check_unused(self) -> None:
         """Refuse settings this configuration would ignore (a user who set them expects them to
@@ -320,6 +328,42 @@ def check_token_ids(name: str, ids) -> list[int]:
     if not isinstance(ids, (list, tuple)):
         raise SpecdecError(f"{name}={show(ids)} is not a list of token ids; allowed: integers >= 0", name)
     return [check_int(name, t, 0, MAX_TOKEN_ID) for t in ids]
+
+
+MAX_TREE_NODES = 32  # a tree's nodes fit the KV cache's headroom beyond the context
+MAX_TREE_WIDTH = 8
+
+
+def parse_draft_tree(value) -> tuple[int, ...] | None:
+    """Children per depth as the user wrote them: "3,2,1" or (3, 2, 1); None, "" or "off": no tree.
+    Each width in [1, MAX_TREE_WIDTH], nodes (3 + 3*2 + 3*2*1 = 15 for "3,2,1") at most MAX_TREE_NODES."""
+    allowed = (f"allowed: 'off' or children per depth such as '3,2,1' (each in [1, {MAX_TREE_WIDTH}], "
+               f"at most {MAX_TREE_NODES} nodes in all)")
+    if value is None:
+        return None
+    if isinstance(value, str):
+        v = value.strip().lower()
+        if v in ("", "off", "none"):
+            return None
+        try:
+            value = tuple(int(x) for x in v.split(","))
+        except ValueError:
+            raise SpecdecError(f"draft_tree={value!r} is not a list of widths; {allowed}", "draft_tree") from None
+    try:
+        widths = tuple(value)
+    except TypeError:
+        raise SpecdecError(f"draft_tree={show(value)} is not a list of widths; {allowed}", "draft_tree") from None
+    if not widths or any(isinstance(w, bool) or not isinstance(w, numbers.Integral) or not 1 <= w <= MAX_TREE_WIDTH
+                         for w in widths):
+        raise SpecdecError(f"draft_tree={show(value)} has a width outside [1, {MAX_TREE_WIDTH}]; {allowed}",
+                           "draft_tree")
+    nodes, level = 0, 1
+    for w in widths:
+        level *= int(w)
+        nodes += level
+    if nodes > MAX_TREE_NODES:
+        raise SpecdecError(f"draft_tree={','.join(map(str, widths))} has {nodes} nodes; {allowed}", "draft_tree")
+    return tuple(int(w) for w in widths)
 
 
 def parse_num_draft_tokens(value) -> int | str:

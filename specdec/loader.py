@@ -165,7 +165,7 @@ def build_engine(models: Models, spec: SpeculativeConfig | None = None, max_mode
                   num_draft_tokens=spec.num_draft_tokens if speculative else 0,
                   max_batch=max_batch, max_seq_len=max_len, vocab_size=models.vocab,
                   max_draft_tokens=spec.max_draft_tokens if speculative else DEFAULT_MAX_DRAFT_TOKENS,
-                  k_cost=k_cost)
+                  k_cost=k_cost, draft_tree=spec.draft_tree if speculative else None)
 
 
 def with_models(models: Models, target=None, draft=None) -> Models:

@@ -49,8 +49,11 @@ class Proposal:
     source: list[str] | None = None  # [B] the part that drafted each row (None: the proposer)
     catch_up: int = 0  # most committed tokens any row fed before drafting: adaptive k prices
     # such a round as catch-up per token, not as the cost of drafting k
-    parents: torch.Tensor | None = None  # [B, k] parent index per node, for draft trees; None
-    # (the only form verified today): a chain, node i's parent is i - 1
+    parents: torch.Tensor | None = None  # [B, k] per row, each node's parent index (-1: the root,
+    # the last committed token; topological order, siblings tried in index order): a draft tree
+    # (specdec.engine.trees). None: a chain, node i's parent is i - 1
+    valid: torch.Tensor | None = None  # [B, k] bool, trees only: False for a node the proposer
+    # could not fill (its q had fewer candidates than the width); never accepted
 
 
 @dataclass

@@ -22,6 +22,7 @@ import torch
 
 from specdec import grammar, rejection, sampling
 from specdec.config import DEFAULT_MAX_DRAFT_TOKENS, MAX_DRAFT_TOKENS, SamplingParams
+from specdec.engine import trees
 from specdec.engine.adaptive import k_policy
 from specdec.errors import SpecdecError, check_range
 from specdec.logits_state import new_state, sampling_groups, stacked_inputs
@@ -40,12 +41,18 @@ class Engine:
     def __init__(self, model, tokenizer: Tokenizer | None, proposer: Proposer | None = None,
                  num_draft_tokens: int | str = 0, max_batch: int = 8, max_seq_len: int | None = None,
                  vocab_size: int | None = None, max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS,
-                 k_cost=None, prefill_chunk: int | None = None, grammar_tokenizer=None):
+                 k_cost=None, prefill_chunk: int | None = None, grammar_tokenizer=None,
+                 draft_tree: tuple[int, ...] | None = None):
         """num_draft_tokens: a fixed k, or "auto" for adaptive k in [0, max_draft_tokens]
         (specdec.engine.adaptive; k_cost optionally fixes its cost model). prefill_chunk: most
         prompt tokens fed per step (chunked prefill: a long prompt stalls the running rows for
         one chunk at a time); None feeds whole prompts. Build engines with
-        specdec.loader.build_engine, which also checks the draft and caps the context."""
+        specdec.loader.build_engine, which also checks the draft and caps the context.
+        draft_tree: children per depth (specdec.engine.trees): the proposer drafts trees of the
+        round's k levels, verified in one forward (the proposer must have `propose_tree`)."""
+        if draft_tree is not None and not hasattr(proposer, "propose_tree"):
+            raise SpecdecError("draft_tree needs a proposer that drafts trees (a draft model)", "draft_tree")
+        self.draft_tree = draft_tree
         self.model = model
         self.tokenizer = tokenizer
         self.proposer = proposer
@@ -187,8 +194,8 @@ class Engine:
         choices = self.policy.settle(reqs, [self._plan(r, len(reqs)) for r in reqs], len(reqs))
         prop, t_draft = self._propose(reqs, choices)
         logits, hidden, t_target = self._score(reqs, prop)
-        out, n_emit, logprobs = self._verify(reqs, logits, prop)
-        rows = self._commit(reqs, choices, prop, out, n_emit, logprobs, hidden, t_draft, t_target, t0)
+        out, n_emit, logprobs, paths = self._verify(reqs, logits, prop)
+        rows = self._commit(reqs, choices, prop, out, n_emit, logprobs, hidden, t_draft, t_target, t0, paths)
         for r in reqs:
             if r.finished:
                 self.abort(r)  # (finished: only frees its rows)
@@ -263,9 +270,12 @@ class Engine:
             return Proposal(tokens=torch.zeros(B, 0, dtype=torch.long, device=dev),
                             num_draft=torch.zeros(B, dtype=torch.long, device=dev), q=None), 0.0
         t0 = time.perf_counter()
-        prop = self.proposer.propose(reqs, ks, only=[c.source for c in choices])
+        if self.draft_tree is not None:
+            prop = self.proposer.propose_tree(reqs, [trees.shape_for(self.draft_tree, k, r.params)
+                                                     for k, r in zip(ks, reqs)])
+        else:
+            prop = self.proposer.propose(reqs, ks, only=[c.source for c in choices])
         t_draft = time.perf_counter() - t0
-        assert prop.parents is None, "draft trees are not verified yet: a proposal is a chain"
         if prop.source is None:
             prop.source = [self.proposer.name] * B
         # The first draft a row's grammar rejects ends its drafts (verification would reject it:
@@ -284,14 +294,18 @@ class Engine:
         proposer wants them) at positions L-1..L-1+k of each row."""
         dev = self.model.device
         B, k = prop.tokens.shape
-        L = torch.tensor([len(r.tokens) for r in reqs], device=dev)
-        last = torch.tensor([[r.tokens[-1]] for r in reqs], device=dev)
-        feed = torch.cat([last, prop.tokens.to(dev)], dim=1)  # [B, k + 1]
-        positions = (L - 1).unsqueeze(1) + torch.arange(k + 1, device=dev)  # [B, k + 1]
+        mask = slots = None
+        if prop.parents is not None:  # a tree: each node sees the prefix and its ancestors
+            feed, positions, slots, mask = trees.forward_inputs(reqs, prop, dev)
+        else:
+            L = torch.tensor([len(r.tokens) for r in reqs], device=dev)
+            last = torch.tensor([[r.tokens[-1]] for r in reqs], device=dev)
+            feed = torch.cat([last, prop.tokens.to(dev)], dim=1)  # [B, k + 1]
+            positions = (L - 1).unsqueeze(1) + torch.arange(k + 1, device=dev)  # [B, k + 1]
         want_hidden = self.hidden_to is not None
         t0 = time.perf_counter()
         out = self.model.forward(feed, positions, self.cache, rows=rows_arg(reqs, dev),
-                                 return_hidden=want_hidden)
+                                 return_hidden=want_hidden, mask=mask, slots=slots)
         logits, hidden = out if want_hidden else (out, None)
         t_target = time.perf_counter() - t0
         self.policy.observe_target(B, k + 1, t_target)
@@ -309,7 +323,13 @@ class Engine:
         nd = num_draft.tolist()
         out = torch.full((B, k + 1), rejection.PLACEHOLDER, dtype=torch.long, device=logits.device)
         n_emit = torch.empty(B, dtype=torch.long, device=logits.device)
+        paths = {}  # tree rows: accepted node indices
+        if prop.parents is not None:
+            paths = trees.verify_rows(reqs, trees.tree_rows(reqs, prop), logits, prop, self.V, out, n_emit)
         for params, rng, idx in sampling_groups(reqs):
+            idx = [b for b in idx if b not in paths]  # the rest are chains (or drafted nothing)
+            if not idx:
+                continue
             # Only the group's own width: a row's dice never depend on how far other rows of
             # the batch drafted (a seed reproduces whatever else is running), and a k = 0 row
             # in a wide batch pays one position of sampling, not k + 1.
@@ -336,7 +356,7 @@ class Engine:
                 for g, b in enumerate(idx):
                     lps[b] = (chosen[g].tolist(), top.values[g].tolist() if top else None,
                               top.indices[g].tolist() if top else None)
-        return out, n_emit, lps
+        return out, n_emit, lps, paths
 
     @staticmethod
     def _token_logprobs(tokens: list[int], lp) -> list[TokenLogprob]:
@@ -346,10 +366,13 @@ class Engine:
                 for j, t in enumerate(tokens)]
 
     def _commit(self, reqs, choices, prop, out, n_emit, logprobs, hidden, t_draft, t_target,
-                t0) -> list[RowResult]:
+                t0, paths) -> list[RowResult]:
         """Append each row's emitted tokens up to a stop, roll the target back to the committed
-        tokens, tell the proposer and the k policy, and charge each row its share of the time."""
+        tokens (a tree row's accepted path moved into place first), tell the proposer and the k
+        policy, and charge each row its share of the time."""
         out_l, n_emit_l, nd_l = out.tolist(), n_emit.tolist(), prop.num_draft.tolist()  # one sync
+        for b in paths:  # a tree row's round counts its levels, as a chain's counts its k: metrics and
+            nd_l[b] = trees.depth(prop.parents[b, : nd_l[b]])  # adaptive k see acceptance per depth
         sources = prop.source or [None] * len(reqs)
         drafting = sum(1 for n in nd_l if n)
         # a proposer is told about rounds it was asked to draft for (one that reads hidden states: all)
@@ -374,6 +397,8 @@ class Engine:
             r.stats.target_forwards += 1
             self.policy.observe_round(r, nd_l[b], n_acc, sources[b], c.key)
             # Target KV: committed tokens but the last. Drafts past the commit are rolled back.
+            if b in paths and n_acc:  # node j's KV is at slot L + j: the path moves to L, L + 1, ...
+                self.cache.compact(r.row, [L + j for j in paths[b][:n_acc]], L)
             self.cache.set_length(r.row, min(L + n_acc, len(r.tokens) - 1))
             lp = self._token_logprobs(committed, logprobs[b]) if b in logprobs else None
             if lp is not None:
@@ -381,13 +406,21 @@ class Engine:
             res = RowResult(request=r, k=c.k, drafted=nd_l[b], accepted=n_acc, committed=committed,
                             source=sources[b] if nd_l[b] else None, key=c.key if nd_l[b] else None,
                             delta=self._stream_delta(r),
-                            hidden=None if hidden is None else hidden[b, : len(committed)],
+                            hidden=None if hidden is None else self._row_hidden(hidden[b], paths.get(b), committed),
                             logprobs=lp)
             if proposed:
                 self.proposer.accept(r, res)
             r.decode_time += time.perf_counter() - t0
             rows.append(res)
         return rows
+
+    @staticmethod
+    def _row_hidden(hidden: torch.Tensor, path: list[int] | None, committed: list[int]) -> torch.Tensor:
+        """The hidden states at the inputs whose logits produced the committed tokens: the root and
+        then the accepted nodes (a tree's are at their node positions, 1 + node index)."""
+        if path is None:
+            return hidden[: len(committed)]
+        return hidden[torch.tensor([0] + [j + 1 for j in path])[: len(committed)]]
 
     # ---- commit and stops ------------------------------------------------------------------
     def _append(self, r: Request, t: int) -> None:

@@ -10,6 +10,12 @@ Cache bookkeeping per request (L = committed length at the start of a round):
   - `accept(n)` keeps KV for committed[:L] + d_1..d_min(n, k-1): rollback is arithmetic.
 q is computed with the same transform chain as the target's p (specdec.sampling), on each
 draft position's own prefix for penalties.
+
+Trees (`propose_tree`, specdec.engine.trees): after the same catch-up, the children of each node
+are the draft's top candidates under the row's transforms (deterministic: verified as candidates,
+no q), one draft forward per depth over all the row's nodes so far with tree attention (node j at
+slot L + j, position L - 1 + depth). Afterwards the draft keeps KV for the committed tokens only:
+the accepted path is fed as catch-up next round, with the root.
 """
 
 from __future__ import annotations
@@ -19,11 +25,13 @@ import time
 import torch
 
 from specdec import rejection, sampling
+from specdec.engine.trees import tree_ok
 from specdec.logits_state import sampling_groups, stacked_inputs
 from specdec.proposers.base import Candidate, Proposal, ProposerBase
 from specdec.round import RowResult
 from specdec.runtime.kv_cache import prefill as kv_prefill
 from specdec.runtime.kv_cache import common_prefix, ragged_block, rows_arg
+from specdec.tree import ancestor_mask, depths
 
 
 class DraftModelProposer(ProposerBase):
@@ -74,9 +82,10 @@ class DraftModelProposer(ProposerBase):
         target), no logits: the first round then feeds one token, like any other."""
         kv_prefill(self.model, self.cache, reqs)
 
-    def _forward(self, tokens, positions, rows, logits_at=None):
+    def _forward(self, tokens, positions, rows, logits_at=None, mask=None, slots=None):
         t0 = time.perf_counter()
-        logits = self.model.forward(tokens, positions, self.cache, rows=rows, logits_at=logits_at)
+        logits = self.model.forward(tokens, positions, self.cache, rows=rows, logits_at=logits_at,
+                                    mask=mask, slots=slots)
         self.forward_time += time.perf_counter() - t0
         self.forwards += 1
         return logits[..., : self.V]
@@ -114,6 +123,93 @@ class DraftModelProposer(ProposerBase):
             self.cache.set_length(r.row, L[b] + max(min(ks[b], k) - 1, 0) if k else L[b])
         num_draft = torch.tensor(ks, dtype=torch.long, device=dev)
         return Proposal(tokens=drafts, num_draft=num_draft, q=q_all, catch_up=T)
+
+    @torch.inference_mode()
+    def propose_tree(self, reqs, shapes: list[torch.Tensor]) -> Proposal:
+        """A tree per row: shapes[b] its parents [N_b] (empty: no drafts). Rows the tree verifier
+        does not serve (penalties, grammars, log-probabilities, seed-stable) were given a chain
+        and draft it as `propose` does, with their q."""
+        B, N = len(reqs), max(len(s) for s in shapes)
+        dev = self.model.device
+        tokens = torch.zeros(B, N, dtype=torch.long, device=dev)
+        parents = torch.full((B, N), -1, dtype=torch.long)
+        valid = torch.zeros(B, N, dtype=torch.bool)
+        num = torch.tensor([len(s) for s in shapes], dtype=torch.long)
+        for b, s in enumerate(shapes):
+            parents[b, : len(s)] = s
+        chains = [b for b, s in enumerate(shapes) if len(s) and not tree_ok(reqs[b].params)]
+        grown = [b for b, s in enumerate(shapes) if len(s) and tree_ok(reqs[b].params)]
+        q = None
+        if chains:
+            sub = self.propose([reqs[b] for b in chains], [len(shapes[b]) for b in chains])
+            w = sub.tokens.shape[1]
+            ix = torch.tensor(chains)
+            tokens[ix, :w] = sub.tokens
+            valid[ix, :w] = True
+            if sub.q is not None:
+                q = torch.zeros(B, N, self.V, device=dev)
+                q[ix, :w] = sub.q
+        if grown:
+            tokens[grown], valid[grown] = self._grow([reqs[b] for b in grown], [shapes[b] for b in grown], N)
+        for b, s in enumerate(shapes):
+            if not len(s):  # (accept then leaves its cache alone)
+                self._L.pop(reqs[b].row, None)
+                self._last_k.pop(reqs[b].row, None)
+        return Proposal(tokens=tokens, num_draft=num, q=q, parents=parents.to(dev), valid=valid.to(dev))
+
+    def _grow(self, reqs, shapes: list[torch.Tensor], N: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens [n, N], valid [n, N]) of each row's tree, level by level."""
+        n, dev = len(reqs), self.model.device
+        rows = rows_arg(reqs, dev)
+        feeds = [r.tokens[self.cache.lengths[r.row]:] for r in reqs]
+        tok, pos = ragged_block(feeds, [self.cache.lengths[r.row] for r in reqs], self.cache.capacity)
+        last = torch.tensor([[len(f) - 1] for f in feeds], device=dev)
+        root = self._forward(tok.to(dev), pos.to(dev), rows, logits_at=last)[:, 0]  # [n, V]
+        L = [len(r.tokens) for r in reqs]
+        for b, r in enumerate(reqs):  # KV for every committed token; the tree's slots follow
+            self.cache.set_length(r.row, L[b])
+            self._L[r.row], self._last_k[r.row] = L[b], 1  # accept keeps L: the path is caught up
+        tokens = torch.zeros(n, N, dtype=torch.long)
+        valid = torch.zeros(n, N, dtype=torch.bool)
+        dep = [depths(s)[1:] for s in shapes]  # [N_b] depth of each node (1: the root's children)
+        kids = [[[j for j, u in enumerate(s.tolist()) if u == i] for i in range(-1, len(s))] for s in shapes]
+        for b, r in enumerate(reqs):
+            self._fill(r, root[b], kids[b][0], tokens[b], valid[b], True)
+        for d in range(2, max(int(x.max()) for x in dep) + 1):
+            # every node above depth d, each row's in one forward (breadth-first: a prefix of nodes)
+            m = [int((x < d).sum()) for x in dep]
+            M = max(m)
+            feed = torch.zeros(n, M, dtype=torch.long)
+            positions = torch.zeros(n, M, dtype=torch.long)
+            slots = torch.zeros(n, M, dtype=torch.long)
+            mask = torch.eye(M, dtype=torch.bool).repeat(n, 1, 1)
+            for b in range(n):
+                feed[b, : m[b]] = tokens[b, : m[b]]
+                positions[b] = L[b]
+                positions[b, : m[b]] = L[b] - 1 + dep[b][: m[b]]
+                slots[b] = L[b] + torch.arange(M)
+                mask[b, : m[b], : m[b]] = ancestor_mask(shapes[b][: m[b]])[1:, 1:]
+            lg = self._forward(feed.to(dev), positions.to(dev), rows, mask=mask.to(dev), slots=slots.to(dev))
+            for b, r in enumerate(reqs):
+                for j in range(m[b]):
+                    if int(dep[b][j]) == d - 1 and kids[b][j + 1]:
+                        self._fill(r, lg[b, j], kids[b][j + 1], tokens[b], valid[b], bool(valid[b, j]))
+        return tokens.to(dev), valid
+
+    def _fill(self, req, logits: torch.Tensor, nodes: list[int], tokens, valid, parent_valid: bool) -> None:
+        """The draft's top len(nodes) candidates under the request's transforms (the argmax first
+        for greedy); a node with no candidate left (filtered out, or under an invalid parent) is
+        invalid."""
+        if not nodes:
+            return
+        p = req.params
+        lg = logits.float().unsqueeze(0)
+        if not p.greedy and self.draft_sampling != "greedy":
+            lg = sampling.filter_logits(lg, p)
+        top = lg[0].topk(len(nodes))
+        for j, t, v in zip(nodes, top.indices.tolist(), top.values.tolist()):
+            tokens[j] = t
+            valid[j] = parent_valid and v != float("-inf")
 
     def _propose_rows(self, reqs, ks: list[int], live: list[int]) -> Proposal:
         """Draft for the `live` rows only; the others get 0 drafts and keep their KV as it is

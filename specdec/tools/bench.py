@@ -40,6 +40,7 @@ class BenchSettings:
     ks: list  # ints and/or "auto"
     proposer: str  # draft | ngram | composite | head
     head: str | None = None  # a trained head's directory (proposer head; None: the shipped one)
+    draft_tree: tuple | None = None  # children per depth (proposer draft): drafts are trees
     max_draft_tokens: int = 8
     draft_sampling: str = "probabilistic"
     ngram_min: int = 1
@@ -123,8 +124,9 @@ def build_configs(models: Models, s: BenchSettings, hf_paths: tuple | None = Non
     for k in s.ks:
         spec = SpeculativeConfig(draft=models.draft_name, num_draft_tokens=k, max_draft_tokens=s.max_draft_tokens,
                                  draft_sampling=s.draft_sampling, proposer=s.proposer,
-                                 head=s.head, ngram_min=s.ngram_min, ngram_max=s.ngram_max)
-        configs.append(Ours(f"{s.proposer} k={k}", build_engine(models, spec, s.max_seq_len), k, s.proposer))
+                                 head=s.head, ngram_min=s.ngram_min, ngram_max=s.ngram_max, draft_tree=s.draft_tree)
+        name = s.proposer if s.draft_tree is None else f"{s.proposer} tree {','.join(map(str, s.draft_tree))}"
+        configs.append(Ours(f"{name} k={k}", build_engine(models, spec, s.max_seq_len), k, s.proposer))
     if hf_paths is not None:
         target = load_transformers(hf_paths[0])
         draft = load_transformers(hf_paths[1]) if hf_paths[1] is not None else None

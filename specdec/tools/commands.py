@@ -12,7 +12,7 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
-from specdec.config import (DEFAULT_MAX_DRAFT_TOKENS, MAX_DRAFT_TOKENS, SamplingParams,
+from specdec.config import (DEFAULT_MAX_DRAFT_TOKENS, MAX_DRAFT_TOKENS, SamplingParams, parse_draft_tree,
                             SpeculativeConfig, parse_num_draft_tokens)
 from specdec.api import context_length
 from specdec.errors import SpecdecError, check_int
@@ -61,7 +61,8 @@ SPEC_FLAGS = ("num_draft_tokens", "max_draft_tokens", "draft_sampling", "draft_d
 def _spec_from_flags(a, proposer: str | None, k) -> SpeculativeConfig:
     spec = SpeculativeConfig(draft=a.draft, num_draft_tokens=k, max_draft_tokens=a.max_draft_tokens,
                              draft_sampling=a.draft_sampling, draft_dtype=a.draft_dtype, proposer=proposer,
-                             ngram_min=a.ngram_min, ngram_max=a.ngram_max, head=a.head)
+                             ngram_min=a.ngram_min, ngram_max=a.ngram_max, head=a.head,
+                             draft_tree=getattr(a, "draft_tree", None))
     spec.check_unused()
     if spec.proposer not in ("ngram", "head"):
         check_model_dtype("draft_dtype", spec.draft_dtype, spec.draft, "draft")
@@ -160,6 +161,9 @@ def cmd_verify(a, models=None) -> int:
     """models: preloaded specdec.loader.Models (tests); otherwise loaded from --model/--draft."""
     _setup(a)
     proposer = _spec_from_flags(a, a.proposer, "auto").proposer
+    if parse_draft_tree(a.draft_tree) is not None:
+        raise SpecdecError("verify does not audit draft trees yet (its memoised target scores chains); "
+                           "tests/test_tree_engine.py checks tree sampling through the engine", "draft_tree")
     k = parse_ks(a.num_draft_tokens)
     if len(k) != 1:
         raise SpecdecError(f"verify takes one num_draft_tokens value, got {a.num_draft_tokens!r}; allowed: "
@@ -218,7 +222,8 @@ def cmd_bench(a, models=None) -> int:
     settings = bench.BenchSettings(
         prompts=prompts, params=params, ks=ks, proposer=proposer,
         max_draft_tokens=_max_draft(a), draft_sampling=a.draft_sampling, ngram_min=a.ngram_min,
-        ngram_max=a.ngram_max, head=a.head, repeats=a.repeats, raw=a.raw, compare=[a.compare] if a.compare else [])
+        ngram_max=a.ngram_max, head=a.head, repeats=a.repeats, raw=a.raw, compare=[a.compare] if a.compare else [],
+        draft_tree=parse_draft_tree(a.draft_tree))
     if models is None:
         models = load_models(a.model, a.draft if proposer in ("draft", "composite") else None, a.dtype,
                              a.draft_dtype, a.device)

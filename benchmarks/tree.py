@@ -1,0 +1,68 @@
+"""Draft trees against chains: plain decoding, the draft model's chain at fixed k, and its trees
+of a few shapes, on the same prompts, interleaved per prompt (`specdec bench`'s runner and table).
+Decode tokens/s exclude the prompt; speedups are per-prompt ratios to plain, median over prompts;
+greedy speculative output must equal plain token for token (`greedy_mismatches`).
+
+    .venv/bin/python benchmarks/tree.py --temperature 0                       # Qwen pair, HumanEval
+    .venv/bin/python benchmarks/tree.py --temperature 0.8 --trees 2,2,1,1 3,2,1
+
+The issue's goals: tree >= 1.15x the best chain at T = 0.8 and >= 1.05x at T = 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+from serve import cpu_name  # (benchmarks/serve.py: the CPU named in every log)
+
+from specdec.config import SamplingParams, SpeculativeConfig, parse_draft_tree
+from specdec.loader import build_engine, load_models
+from specdec.tools import bench
+from specdec.tools.prompts import load_prompts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--draft-dtype", default="q4_0")
+    ap.add_argument("--prompts", default="humaneval")
+    ap.add_argument("--num-prompts", type=int, default=6)
+    ap.add_argument("--chains", default="3,4,5", help="chain k values")
+    ap.add_argument("--trees", nargs="*", default=["2,1,1,1", "2,2,1,1", "3,2,1"], help="tree widths")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    t0 = time.perf_counter()
+    models = load_models(a.model, a.draft, "native", a.draft_dtype)
+    load_s = time.perf_counter() - t0
+    prompts = load_prompts(a.prompts, a.num_prompts)
+    params = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, seed=0 if a.temperature else None)
+    settings = bench.BenchSettings(prompts=prompts, params=params, ks=[], proposer="draft", max_seq_len=4096)
+    configs = [bench.Ours(bench.PLAIN, build_engine(models, None, 4096), 0)]
+    for k in (int(x) for x in a.chains.split(",")):
+        spec = SpeculativeConfig(draft=a.draft, num_draft_tokens=k, draft_dtype=a.draft_dtype)
+        configs.append(bench.Ours(f"chain k={k}", build_engine(models, spec, 4096), k, "draft"))
+    for widths in (parse_draft_tree(t) for t in a.trees):
+        spec = SpeculativeConfig(draft=a.draft, num_draft_tokens=len(widths), draft_dtype=a.draft_dtype,
+                                 draft_tree=widths)
+        name = f"tree {','.join(map(str, widths))}"
+        configs.append(bench.Ours(name, build_engine(models, spec, 4096), len(widths), "draft"))
+    runs = bench.run_bench(models, settings, configs,
+                           progress=lambda what: print(what, flush=True) if "prompt" in what else None)
+    summary = bench.summarise(runs, configs, settings.params)
+    title = (f"{a.model} + {a.draft} ({a.draft_dtype}), {len(prompts)} {a.prompts} prompts x {a.max_tokens} "
+             f"tokens, T={a.temperature}, {a.threads} threads, {cpu_name()}")
+    bench.print_table(summary, title)
+    print(json.dumps({"benchmark": "tree", "model": a.model, "draft": a.draft, "cpu": cpu_name(),
+                      "prompts": a.prompts, "num_prompts": len(prompts), "max_tokens": a.max_tokens,
+                      "temperature": a.temperature, "threads": a.threads, "load_s": round(load_s, 1), **summary}))
+
+
+if __name__ == "__main__":
+    main()

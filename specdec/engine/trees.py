@@ -1,0 +1,99 @@
+"""The engine's side of draft trees (specdec.tree has the shapes and the verification math).
+
+A tree round, per row (L committed tokens; the root is the last one, at slot and position L - 1):
+  - shape: the configured widths cut to the row's k levels (`shape_for`); a row whose sampling
+    needs per-position state (penalties, a grammar, log-probabilities, seed-stable noise) gets a
+    chain of k, which is a tree too, and the chain verifier;
+  - the proposer fills every node (Proposal.parents [B, N] per row, nodes past num_draft and
+    nodes marked invalid are never accepted);
+  - one target forward over [root, node 0..N-1] (`forward_inputs`): node j has KV slot L + j and
+    RoPE position L - 1 + depth(j), and attends to the committed prefix and its own ancestors
+    (runtime tree attention: slots + mask), so its logits are bit-identical to a plain forward
+    over its path;
+  - verification (`verify_rows`) walks from the root: greedy takes the child equal to the argmax;
+    sampling tries the children in order as deterministic candidates (accept c with probability
+    r(c), else zero it and renormalise), which is exact for any candidate set (docs/lossless.md);
+  - commit: the accepted path's KV moves to slots L, L + 1, ... (KVCache.compact): afterwards the
+    row is a plain prefix and rollback stays arithmetic.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec import sampling
+from specdec.tree import ancestor_mask, chain, depths, tree_from_widths, tree_verify_greedy, tree_verify_stochastic
+
+
+def tree_ok(params) -> bool:
+    """Rows the tree verifier serves: nothing per position beyond the target's own logits."""
+    return not params.has_penalties and not params.constrained and params.logprobs is None and not params.stable
+
+
+def shape_for(widths: tuple[int, ...], k: int, params) -> torch.Tensor:
+    """parents [N] of the row's round: the widths' first k levels, a chain of k where the tree
+    verifier does not serve the row, nothing at k = 0."""
+    if k <= 0:
+        return torch.zeros(0, dtype=torch.long)
+    if not tree_ok(params) or max(widths[:k]) == 1:
+        return chain(k)
+    return tree_from_widths(widths[:k])
+
+
+def depth(parents: torch.Tensor) -> int:
+    """Levels of a tree (a chain of k: k)."""
+    return int(depths(parents.cpu()).max())
+
+
+def is_chain(parents: torch.Tensor) -> bool:
+    return torch.equal(parents, chain(len(parents)))
+
+
+def forward_inputs(reqs, prop, device):
+    """(feed [B, N + 1], positions, slots, mask [B, N + 1, N + 1]) of the tree verify forward.
+    Padding nodes (past a row's num_draft) hang from the root: they see only the prefix and
+    their logits are never read."""
+    B, N = prop.tokens.shape
+    positions = torch.empty(B, N + 1, dtype=torch.long)
+    slots = torch.empty(B, N + 1, dtype=torch.long)
+    mask = torch.empty(B, N + 1, N + 1, dtype=torch.bool)
+    for b, r in enumerate(reqs):
+        L = len(r.tokens)
+        parents = prop.parents[b].cpu()
+        positions[b] = L - 1 + depths(parents)
+        slots[b] = L - 1 + torch.arange(N + 1)
+        mask[b] = ancestor_mask(parents)
+    last = torch.tensor([[r.tokens[-1]] for r in reqs])
+    feed = torch.cat([last, prop.tokens.cpu()], dim=1)
+    return feed.to(device), positions.to(device), slots.to(device), mask.to(device)
+
+
+def tree_rows(reqs, prop) -> list[int]:
+    """The rows verified as trees: those that drafted something that is not a plain chain."""
+    nd = prop.num_draft.tolist()
+    return [b for b in range(len(reqs)) if nd[b] and tree_ok(reqs[b].params)
+            and not is_chain(prop.parents[b, : nd[b]].cpu())]
+
+
+def verify_rows(reqs, rows: list[int], logits: torch.Tensor, prop, V: int, out: torch.Tensor,
+                n_emit: torch.Tensor) -> dict[int, list[int]]:
+    """Verify each tree row on its own (its own shape and dice), writing its emitted tokens into
+    out [B, N + 1] and n_emit [B]; returns {row: accepted node indices, root's child first}."""
+    paths = {}
+    for b in rows:
+        r = reqs[b]
+        n = int(prop.num_draft[b])
+        parents = prop.parents[b, :n].cpu()
+        tokens = prop.tokens[b: b + 1, :n].cpu()
+        valid = None if prop.valid is None else prop.valid[b: b + 1, :n].cpu()
+        lg = logits[b, : n + 1].float().cpu()  # [n + 1, V]
+        if r.params.greedy:
+            res = tree_verify_greedy(sampling.greedy_tokens(lg, r.params).view(1, n + 1), tokens, parents, valid)
+        else:
+            p = sampling.probabilities(lg, r.params).view(1, n + 1, V)
+            res = tree_verify_stochastic(p, None, tokens, parents, r.rng, valid)
+        m = int(res.num_emitted[0])
+        out[b, :m] = res.tokens[0, :m].to(out.device)  # (the rest stays PLACEHOLDER)
+        n_emit[b] = m
+        paths[b] = [j for j in res.path[0].tolist() if j >= 0]
+    return paths
