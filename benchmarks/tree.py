@@ -42,7 +42,9 @@ def main() -> None:
     models = load_models(a.model, a.draft, "native", a.draft_dtype)
     load_s = time.perf_counter() - t0
     prompts = load_prompts(a.prompts, a.num_prompts)
-    params = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, seed=0 if a.temperature else None)
+    # standard rejection sampling at T > 0: seed-stable rows (the default with a seed) take chains
+    params = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, seed=0 if a.temperature else None,
+                            seed_stable=False)
     settings = bench.BenchSettings(prompts=prompts, params=params, ks=[], proposer="draft", max_seq_len=4096)
     configs = [bench.Ours(bench.PLAIN, build_engine(models, None, 4096), 0)]
     for k in (int(x) for x in a.chains.split(",")):

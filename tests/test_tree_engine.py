@@ -13,6 +13,8 @@ path, the target's KV for that path is compacted into place.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -42,22 +44,51 @@ def models():
     return tiny_model(seed=11, scale=0.5, **kw), tiny_model(seed=12, scale=0.5, **kw)
 
 
-def tree_engine(target, draft, widths, k=None, max_batch=1, max_seq_len=64):
+def tree_engine(target, draft, widths, k=None, max_batch=1, max_seq_len=64, draft_sampling="probabilistic"):
     models = Models(target, None, draft, target.args.vocab_size, "target", "draft")
-    spec = SpeculativeConfig(draft="draft", num_draft_tokens=k or len(widths), draft_tree=widths)
+    spec = SpeculativeConfig(draft="draft", num_draft_tokens=k or len(widths), draft_tree=widths,
+                             draft_sampling=draft_sampling)
     return build_engine(models, spec, max_model_len=max_seq_len, max_batch=max_batch)
+
+
+@contextmanager
+def later_siblings():
+    """Collects the accepted nodes that were not their parent's first child (a path the chain
+    would not have drafted: the KV compaction moved it)."""
+    later, real = [], trees.verify_rows
+
+    def spy(reqs, rows, logits, prop, *rest):
+        paths = real(reqs, rows, logits, prop, *rest)
+        for b, path in paths.items():
+            rank = tree_mod.sibling_rank(prop.parents[b, : int(prop.num_draft[b])])
+            later.extend(j for j in path if rank[j] > 0)
+        return paths
+    trees.verify_rows = spy
+    try:
+        yield later
+    finally:
+        trees.verify_rows = real
 
 
 def _max_diff(a: dict, b: dict) -> float:
     return max(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))
 
 
-@pytest.mark.parametrize("setting", list(SETTINGS))
-@pytest.mark.parametrize("widths", [(2,), (3, 2), (2, 2, 1), (1, 3)])
-def test_tree_joint_equals_target_joint(models, setting, widths):
+# Sampled candidates (draft_sampling "probabilistic": drawn from q without replacement) and
+# deterministic ones ("greedy": the draft's top tokens): every transform on the smallest tree; the
+# larger ones (whose enumeration takes up to a minute each) under a few, between them every
+# transform again.
+CASES = ([((2,), s, "probabilistic") for s in SETTINGS] + [((2,), s, "greedy") for s in SETTINGS if s != "penalties"]
+         + [((1, 3), "minp0.3", "probabilistic"), ((2, 1), "plain", "probabilistic"),
+            ((3, 2), "topp0.7", "greedy"), ((3, 2), "penalties", "probabilistic"),
+            ((2, 2, 1), "temp0.6_topk2", "greedy"), ((1, 3), "plain", "greedy")])
+
+
+@pytest.mark.parametrize("widths, setting, draft_sampling", CASES)
+def test_tree_joint_equals_target_joint(models, setting, widths, draft_sampling):
     target, draft = models
     params = SamplingParams(max_tokens=16, **SETTINGS[setting])
-    engine = tree_engine(target, draft, widths)
+    engine = tree_engine(target, draft, widths, draft_sampling=draft_sampling)
     got = engine_joint_exact(engine, PROMPT, params)
     assert abs(sum(got.values()) - 1.0) < 1e-9
     assert _max_diff(got, target_joint_exact(target, PROMPT, params)) < 1e-6
@@ -71,8 +102,9 @@ def test_exact_test_catches_a_missing_residual(models, monkeypatch):
     real = tree_mod.residual_distribution
     monkeypatch.setattr(tree_mod, "residual_distribution", lambda r, q, d: r)
     params = SamplingParams(max_tokens=16, temperature=1.0)
-    got = engine_joint_exact(tree_engine(target, draft, (3, 2)), PROMPT, params)
-    assert _max_diff(got, target_joint_exact(target, PROMPT, params)) > 1e-3
+    for widths, kind in (((3, 2), "greedy"), ((2,), "probabilistic")):  # both candidate kinds
+        got = engine_joint_exact(tree_engine(target, draft, widths, draft_sampling=kind), PROMPT, params)
+        assert _max_diff(got, target_joint_exact(target, PROMPT, params)) > 1e-3, (widths, kind)
     assert real is not None
 
 
@@ -87,7 +119,7 @@ def test_exact_test_catches_positions_equal_to_slots(models, monkeypatch):
         return feed, slots.clone(), slots, mask
     monkeypatch.setattr(trees, "forward_inputs", no_tree_positions)
     params = SamplingParams(max_tokens=16, temperature=1.0)
-    got = engine_joint_exact(tree_engine(target, draft, (3, 2)), PROMPT, params)
+    got = engine_joint_exact(tree_engine(target, draft, (3, 2), draft_sampling="greedy"), PROMPT, params)
     assert _max_diff(got, target_joint_exact(target, PROMPT, params)) > 1e-3
 
 
@@ -103,20 +135,8 @@ def test_greedy_tree_equals_plain_batched():
     plain = make_engine(target, None, 0, max_batch=4, max_seq_len=128)
     want = [r.output for r in plain.generate(prompts, params)]
     engine = tree_engine(target, draft, (3, 2, 2), max_batch=4, max_seq_len=128)
-    later = []
-    real = trees.verify_rows
-
-    def spy(*a, **k):
-        paths = real(*a, **k)
-        prop = a[3]
-        for b, path in paths.items():
-            later.extend(j for j in path if tree_mod.sibling_rank(prop.parents[b, : int(prop.num_draft[b])])[j] > 0)
-        return paths
-    trees.verify_rows = spy
-    try:
+    with later_siblings() as later:
         got = engine.generate(prompts, params)
-    finally:
-        trees.verify_rows = real
     assert [r.output for r in got] == want
     assert sum(r.stats.draft_tokens for r in got) > 0 and sum(r.stats.accepted_tokens for r in got) > 0
     assert later, "no accepted path went through a later sibling"
@@ -139,7 +159,8 @@ STAT = SamplingParams(temperature=1.0, max_tokens=3)
 
 @pytest.mark.parametrize("control", [None, "no_residual"])
 def test_tree_samples_match_target(models, control, monkeypatch):
-    """200,000 samples of the first 3 tokens from the real batched loop with a (3, 2) tree; Pearson
+    """200,000 samples of the first 3 tokens from the real batched loop with a (2, 1) tree of
+    children drawn without replacement; Pearson
     chi-square against the target's exact joint: pass at p > 1e-3. The control's exact joint gives
     its noncentrality; >= 400 with ~60 degrees of freedom is rejected at p < 1e-6 with probability
     > 1 - 1e-9 (tests/test_statistical.py), and the sampled control must be."""
@@ -147,10 +168,54 @@ def test_tree_samples_match_target(models, control, monkeypatch):
     want = target_joint_exact(target, PROMPT, STAT)
     if control:
         monkeypatch.setattr(tree_mod, "residual_distribution", lambda r, q, d: r)
-        alt = engine_joint_exact(tree_engine(target, draft, (3, 2)), PROMPT, STAT)
+        alt = engine_joint_exact(tree_engine(target, draft, (2, 1)), PROMPT, STAT)
         assert noncentrality(N_SAMPLES, alt, want) >= 400
-    engine = tree_engine(target, draft, (3, 2), max_batch=BATCH)
+    engine = tree_engine(target, draft, (2, 1), max_batch=BATCH)
     counts = sample_engine(engine, PROMPT, STAT, N_SAMPLES, BATCH, seed=5)
     _, _, p = chi_square(counts, want)
     assert engine.proposer.forwards > 0
     assert (p < 1e-6) if control else (p > 1e-3)
+
+
+def test_greedy_tree_equals_plain_on_smollm2():
+    """SmolLM2-135M at its native quantisation, drafted by itself requantised to Q4_0 (so drafts
+    are sometimes wrong and later siblings get their turn): greedy tree speculation equals plain
+    greedy token for token, batched and alone, chat and code prompts."""
+    from specdec.loader import load_models
+
+    torch.set_num_threads(2)
+    models = load_models("smollm2-135m", "smollm2-135m", "native", "q4_0")
+    tok = models.tokenizer
+    prompts = [tok.encode_prompt(p) for p in ("Why is the sky blue?", "def fibonacci(n):",
+                                              "Write a haiku about rivers.")]
+    params = SamplingParams(temperature=0, max_tokens=48)
+    plain = build_engine(models, None, 512, max_batch=3)
+    want = [r.output for r in plain.generate(prompts, params)]
+    spec = SpeculativeConfig(draft="smollm2-135m", draft_dtype="q4_0", num_draft_tokens=3, draft_tree=(2, 2, 1))
+    engine = build_engine(models, spec, 512, max_batch=3)
+    batched = engine.generate(prompts, params)
+    alone = [engine.generate([p], params)[0] for p in prompts]
+    assert [r.output for r in batched] == want and [r.output for r in alone] == want
+    assert sum(r.stats.accepted_tokens for r in batched) > 0
+    assert sum(r.stats.draft_tokens - r.stats.accepted_tokens for r in batched) > 0  # some rejected
+
+
+def test_seed_stable_tree_text_equals_plain_for_50_seeds():
+    """Seed-stable sampling at T = 0.8 (the default with a seed): for 50 seeds, the text with tree
+    speculation (two shapes) and with a chain is the text of plain decoding with the same seed,
+    batched; the trees drafted, and accepted paths went through later siblings."""
+    kw = dict(vocab=32, dim=32, layers=2, heads=4, kv_heads=2, inter=48, max_seq_len=128)
+    target, draft = tiny_model(seed=31, scale=0.5, **kw), tiny_model(seed=32, scale=0.5, **kw)
+    prompt = [3, 1, 4, 1, 5]
+    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=s, max_tokens=24) for s in range(50)]
+    assert all(p.stable for p in params)
+    want = [r.output for r in make_engine(target, None, 0, max_batch=50, max_seq_len=128)
+            .generate([prompt] * 50, params)]
+    with later_siblings() as later:
+        for widths in ((3, 2), (2, 2, 1)):
+            got = tree_engine(target, draft, widths, max_batch=50, max_seq_len=128).generate([prompt] * 50, params)
+            assert [r.output for r in got] == want, widths
+            assert sum(r.stats.accepted_tokens for r in got) > 0
+    assert later
+    chain = make_engine(target, draft, 3, max_batch=50, max_seq_len=128).generate([prompt] * 50, params)
+    assert [r.output for r in chain] == want

@@ -2,8 +2,8 @@
 
 A tree round, per row (L committed tokens; the root is the last one, at slot and position L - 1):
   - shape: the configured widths cut to the row's k levels (`shape_for`); a row whose sampling
-    needs per-position state (penalties, a grammar, log-probabilities, seed-stable noise) gets a
-    chain of k, which is a tree too, and the chain verifier;
+    needs per-position state (penalties, a grammar, log-probabilities) gets a chain of k, which is
+    a tree too, and the chain verifier;
   - the proposer fills every node (Proposal.parents [B, N] per row, nodes past num_draft and
     nodes marked invalid are never accepted);
   - one target forward over [root, node 0..N-1] (`forward_inputs`): node j has KV slot L + j and
@@ -11,8 +11,13 @@ A tree round, per row (L committed tokens; the root is the last one, at slot and
     (runtime tree attention: slots + mask), so its logits are bit-identical to a plain forward
     over its path;
   - verification (`verify_rows`) walks from the root: greedy takes the child equal to the argmax;
-    sampling tries the children in order as deterministic candidates (accept c with probability
-    r(c), else zero it and renormalise), which is exact for any candidate set (docs/lossless.md);
+    seed-stable sampling the child equal to the position's own token (argmax of the transformed
+    logits plus the Gumbel noise of its output position, the noise of depth d for every node at
+    depth d), so the text of a seed is the same with trees, chains or none; other sampling tries
+    the children in order: drawn from q without replacement (accept c with probability
+    min(1, r(c) / q_c(c)), else r = normalise([r - q_c]+)), or deterministic candidates (accept c
+    with probability r(c), else zero it and renormalise) when the draft samples greedily; both
+    exact (docs/lossless.md);
   - commit: the accepted path's KV moves to slots L, L + 1, ... (KVCache.compact): afterwards the
     row is a plain prefix and rollback stays arithmetic.
 """
@@ -21,13 +26,13 @@ from __future__ import annotations
 
 import torch
 
-from specdec import sampling
+from specdec import rejection, sampling
 from specdec.tree import ancestor_mask, chain, depths, tree_from_widths, tree_verify_greedy, tree_verify_stochastic
 
 
 def tree_ok(params) -> bool:
     """Rows the tree verifier serves: nothing per position beyond the target's own logits."""
-    return not params.has_penalties and not params.constrained and params.logprobs is None and not params.stable
+    return not params.has_penalties and not params.constrained and params.logprobs is None
 
 
 def shape_for(widths: tuple[int, ...], k: int, params) -> torch.Tensor:
@@ -89,9 +94,15 @@ def verify_rows(reqs, rows: list[int], logits: torch.Tensor, prop, V: int, out: 
         lg = logits[b, : n + 1].float().cpu()  # [n + 1, V]
         if r.params.greedy:
             res = tree_verify_greedy(sampling.greedy_tokens(lg, r.params).view(1, n + 1), tokens, parents, valid)
+        elif r.params.stable:  # each position's token is fixed by its depth's noise
+            pos_depth = depths(parents)
+            noise = rejection.stable_noise(reqs, [b], int(pos_depth.max()) + 1, lg.shape[-1], lg.device)
+            own = sampling.stable_tokens(lg, r.params, noise[pos_depth])
+            res = tree_verify_greedy(own.view(1, n + 1), tokens, parents, valid)
         else:
             p = sampling.probabilities(lg, r.params).view(1, n + 1, V)
-            res = tree_verify_stochastic(p, None, tokens, parents, r.rng, valid)
+            q = None if prop.q is None else prop.q[b: b + 1, :n].cpu()  # None: deterministic candidates
+            res = tree_verify_stochastic(p, q, tokens, parents, r.rng, valid)
         m = int(res.num_emitted[0])
         out[b, :m] = res.tokens[0, :m].to(out.device)  # (the rest stays PLACEHOLDER)
         n_emit[b] = m

@@ -12,10 +12,11 @@ q is computed with the same transform chain as the target's p (specdec.sampling)
 draft position's own prefix for penalties.
 
 Trees (`propose_tree`, specdec.engine.trees): after the same catch-up, the children of each node
-are the draft's top candidates under the row's transforms (deterministic: verified as candidates,
-no q), one draft forward per depth over all the row's nodes so far with tree attention (node j at
-slot L + j, position L - 1 + depth). Afterwards the draft keeps KV for the committed tokens only:
-the accepted path is fed as catch-up next round, with the root.
+are drawn from q without replacement (sampled rows; each child's q recorded for the verifier) or
+are the draft's top candidates (greedy, seed-stable, or draft_sampling "greedy": deterministic),
+one draft forward per depth over all the row's nodes so far with tree attention (node j at slot
+L + j, position L - 1 + depth). Afterwards the draft keeps KV for the committed tokens only: the
+accepted path is fed as catch-up next round, with the root.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from specdec.proposers.base import Candidate, Proposal, ProposerBase
 from specdec.round import RowResult
 from specdec.runtime.kv_cache import prefill as kv_prefill
 from specdec.runtime.kv_cache import common_prefix, ragged_block, rows_arg
-from specdec.tree import ancestor_mask, depths
+from specdec.tree import ancestor_mask, depths, draft_children
 
 
 class DraftModelProposer(ProposerBase):
@@ -127,7 +128,7 @@ class DraftModelProposer(ProposerBase):
     @torch.inference_mode()
     def propose_tree(self, reqs, shapes: list[torch.Tensor]) -> Proposal:
         """A tree per row: shapes[b] its parents [N_b] (empty: no drafts). Rows the tree verifier
-        does not serve (penalties, grammars, log-probabilities, seed-stable) were given a chain
+        does not serve (penalties, grammars, log-probabilities) were given a chain
         and draft it as `propose` does, with their q."""
         B, N = len(reqs), max(len(s) for s in shapes)
         dev = self.model.device
@@ -150,16 +151,22 @@ class DraftModelProposer(ProposerBase):
                 q = torch.zeros(B, N, self.V, device=dev)
                 q[ix, :w] = sub.q
         if grown:
-            tokens[grown], valid[grown] = self._grow([reqs[b] for b in grown], [shapes[b] for b in grown], N)
+            tok, ok, q_tree = self._grow([reqs[b] for b in grown], [shapes[b] for b in grown], N)
+            ix = torch.tensor(grown)
+            tokens[ix], valid[ix] = tok, ok
+            if q_tree is not None:
+                q = torch.zeros(B, N, self.V, device=dev) if q is None else q
+                q[ix] = q_tree
         for b, s in enumerate(shapes):
             if not len(s):  # (accept then leaves its cache alone)
                 self._L.pop(reqs[b].row, None)
                 self._last_k.pop(reqs[b].row, None)
         return Proposal(tokens=tokens, num_draft=num, q=q, parents=parents.to(dev), valid=valid.to(dev))
 
-    def _grow(self, reqs, shapes: list[torch.Tensor], N: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens [n, N], valid [n, N]) of each row's tree, level by level."""
+    def _grow(self, reqs, shapes: list[torch.Tensor], N: int):
+        """(tokens [n, N], valid [n, N], q [n, N, V] or None) of each row's tree, level by level."""
         n, dev = len(reqs), self.model.device
+        q = torch.zeros(n, N, self.V) if self._needs_q(reqs) else None
         rows = rows_arg(reqs, dev)
         feeds = [r.tokens[self.cache.lengths[r.row]:] for r in reqs]
         tok, pos = ragged_block(feeds, [self.cache.lengths[r.row] for r in reqs], self.cache.capacity)
@@ -174,7 +181,7 @@ class DraftModelProposer(ProposerBase):
         dep = [depths(s)[1:] for s in shapes]  # [N_b] depth of each node (1: the root's children)
         kids = [[[j for j, u in enumerate(s.tolist()) if u == i] for i in range(-1, len(s))] for s in shapes]
         for b, r in enumerate(reqs):
-            self._fill(r, root[b], kids[b][0], tokens[b], valid[b], True)
+            self._fill(r, root[b], kids[b][0], tokens[b], valid[b], True, 0, None if q is None else q[b])
         for d in range(2, max(int(x.max()) for x in dep) + 1):
             # every node above depth d, each row's in one forward (breadth-first: a prefix of nodes)
             m = [int((x < d).sum()) for x in dep]
@@ -189,23 +196,42 @@ class DraftModelProposer(ProposerBase):
                 positions[b, : m[b]] = L[b] - 1 + dep[b][: m[b]]
                 slots[b] = L[b] + torch.arange(M)
                 mask[b, : m[b], : m[b]] = ancestor_mask(shapes[b][: m[b]])[1:, 1:]
-            lg = self._forward(feed.to(dev), positions.to(dev), rows, mask=mask.to(dev), slots=slots.to(dev))
+            # logits only where children are drafted (the output head is the draft's widest matmul)
+            need = [[j for j in range(m[b]) if int(dep[b][j]) == d - 1 and kids[b][j + 1]] or [0]
+                    for b in range(n)]
+            width = max(len(x) for x in need)
+            at = torch.tensor([x + [x[-1]] * (width - len(x)) for x in need])
+            lg = self._forward(feed.to(dev), positions.to(dev), rows, logits_at=at.to(dev), mask=mask.to(dev),
+                               slots=slots.to(dev))
             for b, r in enumerate(reqs):
-                for j in range(m[b]):
-                    if int(dep[b][j]) == d - 1 and kids[b][j + 1]:
-                        self._fill(r, lg[b, j], kids[b][j + 1], tokens[b], valid[b], bool(valid[b, j]))
-        return tokens.to(dev), valid
+                for i, j in enumerate(need[b]):
+                    if kids[b][j + 1]:
+                        self._fill(r, lg[b, i], kids[b][j + 1], tokens[b], valid[b], bool(valid[b, j]), d - 1,
+                                   None if q is None else q[b])
+        return tokens.to(dev), valid, None if q is None else q.to(dev)
 
-    def _fill(self, req, logits: torch.Tensor, nodes: list[int], tokens, valid, parent_valid: bool) -> None:
-        """The draft's top len(nodes) candidates under the request's transforms (the argmax first
-        for greedy); a node with no candidate left (filtered out, or under an invalid parent) is
-        invalid."""
+    def _fill(self, req, logits: torch.Tensor, nodes: list[int], tokens, valid, parent_valid: bool,
+              offset: int, q: torch.Tensor | None) -> None:
+        """The children `nodes` of one node. Sampling with draft_sampling "probabilistic": draws
+        without replacement from q (the draft's distribution after the request's transforms),
+        each child's q (earlier siblings removed, renormalised) recorded in q [N, V] for the
+        verifier. Otherwise deterministic: the top len(nodes) tokens under the transforms (the
+        argmax first for greedy; for seed-stable rows with the Gumbel noise of the children's
+        output position, `offset` past the committed ones, so the first is the coupled draft).
+        A node with no candidate left (q's support used up, or under an invalid parent) is invalid."""
         if not nodes:
             return
         p = req.params
         lg = logits.float().unsqueeze(0)
-        if not p.greedy and self.draft_sampling != "greedy":
+        if not p.greedy and (p.stable or self.draft_sampling != "greedy"):
             lg = sampling.filter_logits(lg, p)
+        if q is not None and not p.greedy and not p.stable:
+            tok, q_child, ok = draft_children(lg.softmax(-1), len(nodes), req.rng)
+            for i, j in enumerate(nodes):
+                tokens[j], valid[j], q[j] = tok[0, i], parent_valid and bool(ok[0, i]), q_child[0, i]
+            return
+        if not p.greedy and p.stable:
+            lg = lg + rejection.stable_noise([req], [0], 1, lg.shape[-1], lg.device, start=offset)
         top = lg[0].topk(len(nodes))
         for j, t, v in zip(nodes, top.indices.tolist(), top.values.tolist()):
             tokens[j] = t

@@ -125,12 +125,10 @@ class KVCache:
         """Move the KV at slots `src` (a draft tree's accepted path, increasing) to the contiguous
         slots dst, dst + 1, ...: afterwards the row is a plain prefix again, and rollback stays
         arithmetic on its length."""
-        if not src or src == list(range(dst, dst + len(src))):
-            return
-        s = torch.tensor(src, device=self.k.device)
-        d = torch.arange(dst, dst + len(src), device=self.k.device)
-        self.k[:, row, :, d] = self.k[:, row, :, s]  # (the right side is gathered first)
-        self.v[:, row, :, d] = self.v[:, row, :, s]
+        for i, s in enumerate(src):  # increasing, s >= dst + i: a slot is read before it is written
+            if s != dst + i:
+                self.k[:, row, :, dst + i].copy_(self.k[:, row, :, s])  # [layers, Hkv, D] each
+                self.v[:, row, :, dst + i].copy_(self.v[:, row, :, s])
 
     def reset(self) -> None:
         self.lengths = [0] * self.batch_size
