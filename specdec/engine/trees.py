@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from specdec import rejection, sampling
+from specdec.logits_state import sampling_groups
 from specdec.tree import ancestor_mask, chain, depths, tree_from_widths, tree_verify_greedy, tree_verify_stochastic
 
 
@@ -82,29 +83,40 @@ def tree_rows(reqs, prop) -> list[int]:
 
 def verify_rows(reqs, rows: list[int], logits: torch.Tensor, prop, V: int, out: torch.Tensor,
                 n_emit: torch.Tensor) -> dict[int, list[int]]:
-    """Verify each tree row on its own (its own shape and dice), writing its emitted tokens into
-    out [B, N + 1] and n_emit [B]; returns {row: accepted node indices, root's child first}."""
-    paths = {}
-    for b in rows:
-        r = reqs[b]
-        n = int(prop.num_draft[b])
-        parents = prop.parents[b, :n].cpu()
-        tokens = prop.tokens[b: b + 1, :n].cpu()
-        valid = None if prop.valid is None else prop.valid[b: b + 1, :n].cpu()
-        lg = logits[b, : n + 1].float().cpu()  # [n + 1, V]
-        if r.params.greedy:
-            res = tree_verify_greedy(sampling.greedy_tokens(lg, r.params).view(1, n + 1), tokens, parents, valid)
-        elif r.params.stable:  # each position's token is fixed by its depth's noise
-            pos_depth = depths(parents)
-            noise = rejection.stable_noise(reqs, [b], int(pos_depth.max()) + 1, lg.shape[-1], lg.device)
-            own = sampling.stable_tokens(lg, r.params, noise[pos_depth])
-            res = tree_verify_greedy(own.view(1, n + 1), tokens, parents, valid)
-        else:
-            p = sampling.probabilities(lg, r.params).view(1, n + 1, V)
-            q = None if prop.q is None else prop.q[b: b + 1, :n].cpu()  # None: deterministic candidates
-            res = tree_verify_stochastic(p, q, tokens, parents, r.rng, valid)
-        m = int(res.num_emitted[0])
-        out[b, :m] = res.tokens[0, :m].to(out.device)  # (the rest stays PLACEHOLDER)
-        n_emit[b] = m
-        paths[b] = [j for j in res.path[0].tolist() if j >= 0]
+    """Verify the tree rows, those that share sampling params, rng and tree shape in one batched
+    call (specdec.tree's fast paths), writing emitted tokens into out [B, N + 1] and n_emit [B];
+    returns {row: accepted node indices, root's child first}."""
+    paths, wanted = {}, set(rows)
+    for params, rng, idx in sampling_groups(reqs):
+        shapes: dict[tuple, list[int]] = {}
+        for b in idx:
+            if b in wanted:
+                n = int(prop.num_draft[b])
+                shapes.setdefault(tuple(prop.parents[b, :n].tolist()), []).append(b)
+        for shape, bs in shapes.items():
+            res = _verify_group(reqs, bs, torch.tensor(shape, dtype=torch.long), logits, prop, params, rng, V)
+            for g, b in enumerate(bs):
+                m = int(res.num_emitted[g])
+                out[b, :m] = res.tokens[g, :m].to(out.device)  # (the rest stays PLACEHOLDER)
+                n_emit[b] = m
+                paths[b] = [j for j in res.path[g].tolist() if j >= 0]
     return paths
+
+
+def _verify_group(reqs, bs: list[int], parents: torch.Tensor, logits, prop, params, rng, V: int):
+    n, G = len(parents), len(bs)
+    ix = torch.tensor(bs)
+    tokens = prop.tokens[ix, :n].cpu()
+    valid = None if prop.valid is None else prop.valid[ix, :n].cpu()
+    lg = logits[ix, : n + 1].float().cpu().flatten(0, 1)  # [G (n + 1), V]
+    if params.greedy:
+        return tree_verify_greedy(sampling.greedy_tokens(lg, params).view(G, n + 1), tokens, parents, valid)
+    if params.stable:  # each position's token is fixed by its row's noise at the node's depth
+        pos_depth = depths(parents)
+        D1 = int(pos_depth.max()) + 1
+        noise = rejection.stable_noise(reqs, bs, D1, lg.shape[-1], lg.device).view(G, D1, -1)[:, pos_depth]
+        own = sampling.stable_tokens(lg, params, noise.flatten(0, 1)).view(G, n + 1)
+        return tree_verify_greedy(own, tokens, parents, valid)
+    p = sampling.probabilities(lg, params).view(G, n + 1, V)
+    q = None if prop.q is None else prop.q[ix, :n].cpu()  # None: deterministic candidates
+    return tree_verify_stochastic(p, q, tokens, parents, rng, valid)
