@@ -304,8 +304,9 @@ class Engine:
             positions = (L - 1).unsqueeze(1) + torch.arange(k + 1, device=dev)  # [B, k + 1]
         want_hidden = self.hidden_to is not None
         t0 = time.perf_counter()
+        tree = {} if slots is None else {"mask": mask, "slots": slots}  # (models without trees: chains only)
         out = self.model.forward(feed, positions, self.cache, rows=rows_arg(reqs, dev),
-                                 return_hidden=want_hidden, mask=mask, slots=slots)
+                                 return_hidden=want_hidden, **tree)
         logits, hidden = out if want_hidden else (out, None)
         t_target = time.perf_counter() - t0
         self.policy.observe_target(B, k + 1, t_target)

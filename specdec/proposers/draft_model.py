@@ -85,8 +85,8 @@ class DraftModelProposer(ProposerBase):
 
     def _forward(self, tokens, positions, rows, logits_at=None, mask=None, slots=None):
         t0 = time.perf_counter()
-        logits = self.model.forward(tokens, positions, self.cache, rows=rows, logits_at=logits_at,
-                                    mask=mask, slots=slots)
+        tree = {} if slots is None else {"mask": mask, "slots": slots}  # (models without trees: chains only)
+        logits = self.model.forward(tokens, positions, self.cache, rows=rows, logits_at=logits_at, **tree)
         self.forward_time += time.perf_counter() - t0
         self.forwards += 1
         return logits[..., : self.V]

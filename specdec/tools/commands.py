@@ -161,7 +161,7 @@ def cmd_verify(a, models=None) -> int:
     """models: preloaded specdec.loader.Models (tests); otherwise loaded from --model/--draft."""
     _setup(a)
     proposer = _spec_from_flags(a, a.proposer, "auto").proposer
-    if parse_draft_tree(a.draft_tree) is not None:
+    if parse_draft_tree(getattr(a, "draft_tree", None)) is not None:
         raise SpecdecError("verify does not audit draft trees yet (its memoised target scores chains); "
                            "tests/test_tree_engine.py checks tree sampling through the engine", "draft_tree")
     k = parse_ks(a.num_draft_tokens)
@@ -223,7 +223,7 @@ def cmd_bench(a, models=None) -> int:
         prompts=prompts, params=params, ks=ks, proposer=proposer,
         max_draft_tokens=_max_draft(a), draft_sampling=a.draft_sampling, ngram_min=a.ngram_min,
         ngram_max=a.ngram_max, head=a.head, repeats=a.repeats, raw=a.raw, compare=[a.compare] if a.compare else [],
-        draft_tree=parse_draft_tree(a.draft_tree))
+        draft_tree=parse_draft_tree(getattr(a, "draft_tree", None)))
     if models is None:
         models = load_models(a.model, a.draft if proposer in ("draft", "composite") else None, a.dtype,
                              a.draft_dtype, a.device)
