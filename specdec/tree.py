@@ -44,6 +44,12 @@ import torch
 from specdec.rejection import PLACEHOLDER, acceptance_probs, residual_distribution
 
 
+def tree_ok(params) -> bool:
+    """Rows the engine's tree verifier serves (specdec.engine.trees): nothing per position beyond
+    the target's own logits (no penalties, grammar or log-probabilities); the rest take chains."""
+    return not params.has_penalties and not params.constrained and params.logprobs is None
+
+
 # --- tree shape --------------------------------------------------------------------------------
 
 def check_parents(parents: torch.Tensor) -> torch.Tensor:

@@ -49,9 +49,7 @@ class Engine:
         one chunk at a time); None feeds whole prompts. Build engines with
         specdec.loader.build_engine, which also checks the draft and caps the context.
         draft_tree: children per depth (specdec.engine.trees): the proposer drafts trees of the
-        round's k levels, verified in one forward (the proposer must have `propose_tree`)."""
-        if draft_tree is not None and not hasattr(proposer, "propose_tree"):
-            raise SpecdecError("draft_tree needs a proposer that drafts trees (a draft model)", "draft_tree")
+        round's k levels, verified in one forward (Proposer.propose_tree)."""
         self.draft_tree = draft_tree
         self.model = model
         self.tokenizer = tokenizer

@@ -28,12 +28,8 @@ import torch
 
 from specdec import rejection, sampling
 from specdec.logits_state import sampling_groups
+from specdec.tree import tree_ok  # noqa: F401 (re-exported: the engine's side reads it here)
 from specdec.tree import ancestor_mask, chain, depths, tree_from_widths, tree_verify_greedy, tree_verify_stochastic
-
-
-def tree_ok(params) -> bool:
-    """Rows the tree verifier serves: nothing per position beyond the target's own logits."""
-    return not params.has_penalties and not params.constrained and params.logprobs is None
 
 
 def shape_for(widths: tuple[int, ...], k: int, params) -> torch.Tensor:

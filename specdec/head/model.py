@@ -34,6 +34,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from specdec.errors import SpecdecError
+from specdec.runtime.kernels import linear, prepare_weight
 from specdec.runtime.model import rope_tables
 
 HEAD_FORMAT = 1  # bumped when the saved layout changes
@@ -134,15 +135,11 @@ class DraftHead(nn.Module):
         """Draft on the runtime's own batch-invariant kernels: each linear as bf16 (a saved head's
         own values, so drafting equals `unroll` on a loaded head), streamed at half the bytes of
         fp32. Training never calls this (its weights move)."""
-        from specdec.runtime.kernels import prepare_weight
-
         self._kernels = {n: prepare_weight(getattr(self, n).weight, "bf16") for n in LINEARS}
         return self
 
     def _lin(self, name: str, x: torch.Tensor) -> torch.Tensor:
         if self._kernels is not None:
-            from specdec.runtime.kernels import linear
-
             return linear(x.contiguous(), self._kernels[name])
         return getattr(self, name)(x)
 

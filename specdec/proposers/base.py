@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from specdec.errors import SpecdecError
 from specdec.request import Request
 from specdec.round import Candidate, Proposal, RowResult
 
@@ -60,6 +61,11 @@ class Proposer(Protocol):
         pick among `peek`'s candidates); None: the proposer's own order."""
         ...
 
+    def propose_tree(self, reqs: list[Request], shapes: list) -> Proposal:
+        """Only with a draft tree (SpeculativeConfig.draft_tree): shapes[b] is row b's parents [N_b]
+        (empty: no drafts); returns a Proposal with `parents` (and `valid`) set."""
+        ...
+
     def accept(self, req: Request, result: RowResult) -> None:
         """The row's round is committed (req.tokens already holds it): keep state for the
         committed tokens, drop the rest."""
@@ -99,6 +105,10 @@ class ProposerBase:
 
     def peek(self, req: Request, k: int) -> list[Candidate]:
         return [Candidate(self.name, k)] if k > 0 else []
+
+    def propose_tree(self, reqs: list[Request], shapes: list) -> Proposal:
+        raise SpecdecError(f"proposer {self.name!r} does not draft trees; draft_tree needs a draft model",
+                           "draft_tree")
 
     def accept(self, req: Request, result: RowResult) -> None:
         pass

@@ -26,13 +26,12 @@ import time
 import torch
 
 from specdec import rejection, sampling
-from specdec.engine.trees import tree_ok
 from specdec.logits_state import sampling_groups, stacked_inputs
 from specdec.proposers.base import Candidate, Proposal, ProposerBase
 from specdec.round import RowResult
 from specdec.runtime.kv_cache import prefill as kv_prefill
 from specdec.runtime.kv_cache import common_prefix, ragged_block, rows_arg
-from specdec.tree import ancestor_mask, depths, draft_children
+from specdec.tree import ancestor_mask, depths, draft_children, tree_ok
 
 
 class DraftModelProposer(ProposerBase):
