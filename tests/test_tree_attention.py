@@ -25,6 +25,21 @@ def _tree_inputs(parents, tokens_of_nodes, L, root_token):
     return feed, positions, slots, ancestor_mask(parents).unsqueeze(0)
 
 
+def scored_tree(model, widths, seed: int, prompt_len: int):
+    """(parents, prompt, nodes, slots, tree logits [N + 1, V], cache): a random prompt prefilled
+    but its last token, then one tree forward over [last token, nodes] with random node tokens."""
+    g = torch.Generator().manual_seed(seed)
+    parents = tree_from_widths(widths)
+    prompt = torch.randint(0, 64, (prompt_len,), generator=g).tolist()
+    nodes = torch.randint(0, 64, (len(parents),), generator=g).tolist()
+    L = len(prompt)
+    cache = model.new_cache(1, 64)
+    model.forward(torch.tensor([prompt[:-1]]), torch.arange(L - 1).view(1, -1), cache)
+    feed, positions, slots, mask = _tree_inputs(parents, nodes, L, prompt[-1])
+    logits = model.forward(feed, positions, cache, mask=mask, slots=slots)[0]
+    return parents, prompt, nodes, slots, logits, cache
+
+
 def same(kernel, a, b) -> bool:
     """Bit-identical on the fused extension (batch-invariant by construction); the torch fallback
     is not (its attention's reductions depend on the shapes), so there: equal to fp32 rounding."""
@@ -43,17 +58,8 @@ def kernel(request, monkeypatch):
 @pytest.mark.parametrize("widths", SHAPES)
 def test_tree_logits_equal_each_paths_causal_logits(kernel, widths):
     model = tiny_model(seed=3, vocab=64)
-    g = torch.Generator().manual_seed(sum(widths))
-    parents = tree_from_widths(widths)
-    N = len(parents)
-    prompt = torch.randint(0, 64, (11,), generator=g).tolist()
-    nodes = torch.randint(0, 64, (N,), generator=g).tolist()
-    L = len(prompt)
-    cache = model.new_cache(1, 64)
-    model.forward(torch.tensor([prompt[:-1]]), torch.arange(L - 1).view(1, -1), cache)
-    feed, positions, slots, mask = _tree_inputs(parents, nodes, L, prompt[-1])
-    tree_logits = model.forward(feed, positions, cache, mask=mask, slots=slots)[0]  # [N + 1, V]
-    for j in range(-1, N):
+    parents, prompt, nodes, _, tree_logits, _ = scored_tree(model, widths, sum(widths), 11)
+    for j in range(-1, len(parents)):
         path = path_to(parents, j)
         seq = prompt + [nodes[i] for i in path]
         ref_cache = model.new_cache(1, 64)
@@ -63,17 +69,9 @@ def test_tree_logits_equal_each_paths_causal_logits(kernel, widths):
 
 def test_compacted_path_decodes_like_plain(kernel):
     model = tiny_model(seed=4, vocab=64)
-    g = torch.Generator().manual_seed(7)
-    parents = tree_from_widths((2, 3, 2))
-    N = len(parents)
-    prompt = torch.randint(0, 64, (9,), generator=g).tolist()
-    nodes = torch.randint(0, 64, (N,), generator=g).tolist()
+    parents, prompt, nodes, slots, _, cache = scored_tree(model, (2, 3, 2), 7, 9)
     L = len(prompt)
-    cache = model.new_cache(1, 64)
-    model.forward(torch.tensor([prompt[:-1]]), torch.arange(L - 1).view(1, -1), cache)
-    feed, positions, slots, mask = _tree_inputs(parents, nodes, L, prompt[-1])
-    model.forward(feed, positions, cache, mask=mask, slots=slots)
-    accepted = path_to(parents, N - 3)  # a path through non-first siblings: slots far from depth
+    accepted = path_to(parents, len(parents) - 3)  # a path through non-first siblings: slots far from depth
     assert [int(slots[0, j + 1]) for j in accepted] != list(range(L, L + len(accepted)))
     cache.compact(0, [L + j for j in accepted], L)
     cache.set_length(0, L + len(accepted))

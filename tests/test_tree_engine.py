@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
+from test_exact_distribution import SETTINGS as CHAIN_SETTINGS
 from engines import make_engine
 from specdec import tree as tree_mod
 from specdec.config import SamplingParams, SpeculativeConfig
@@ -29,13 +30,8 @@ from specdec.tools.distribution import (chi_square, engine_joint_exact, noncentr
                                         target_joint_exact)
 
 PROMPT = [1, 2, 3]
-SETTINGS = {
-    "plain": dict(temperature=1.0),
-    "temp0.6_topk2": dict(temperature=0.6, top_k=2),
-    "topp0.7": dict(temperature=1.2, top_p=0.7),
-    "minp0.3": dict(temperature=0.9, min_p=0.3),
-    "penalties": dict(temperature=1.0, repetition_penalty=1.5, presence_penalty=0.4),
-}
+# the chain tests' transforms ("all" adds nothing here: with its penalties a row takes the chain)
+SETTINGS = {k: v for k, v in CHAIN_SETTINGS.items() if k != "all"}
 
 
 @pytest.fixture(scope="module")

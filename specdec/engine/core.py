@@ -405,21 +405,13 @@ class Engine:
             res = RowResult(request=r, k=c.k, drafted=nd_l[b], accepted=n_acc, committed=committed,
                             source=sources[b] if nd_l[b] else None, key=c.key if nd_l[b] else None,
                             delta=self._stream_delta(r),
-                            hidden=None if hidden is None else self._row_hidden(hidden[b], paths.get(b), committed),
+                            hidden=None if hidden is None else trees.row_hidden(hidden[b], paths.get(b), len(committed)),
                             logprobs=lp)
             if proposed:
                 self.proposer.accept(r, res)
             r.decode_time += time.perf_counter() - t0
             rows.append(res)
         return rows
-
-    @staticmethod
-    def _row_hidden(hidden: torch.Tensor, path: list[int] | None, committed: list[int]) -> torch.Tensor:
-        """The hidden states at the inputs whose logits produced the committed tokens: the root and
-        then the accepted nodes (a tree's are at their node positions, 1 + node index)."""
-        if path is None:
-            return hidden[: len(committed)]
-        return hidden[torch.tensor([0] + [j + 1 for j in path])[: len(committed)]]
 
     # ---- commit and stops ------------------------------------------------------------------
     def _append(self, r: Request, t: int) -> None:

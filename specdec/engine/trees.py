@@ -24,20 +24,28 @@ A tree round, per row (L committed tokens; the root is the last one, at slot and
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from specdec import rejection, sampling
 from specdec.logits_state import sampling_groups
-from specdec.tree import tree_ok  # noqa: F401 (re-exported: the engine's side reads it here)
-from specdec.tree import ancestor_mask, chain, depths, tree_from_widths, tree_verify_greedy, tree_verify_stochastic
+from specdec.tree import (ancestor_mask, chain, depths, tree_from_widths, tree_ok, tree_verify_greedy,
+                          tree_verify_stochastic)
 
 
 def shape_for(widths: tuple[int, ...], k: int, params) -> torch.Tensor:
     """parents [N] of the row's round: the widths' first k levels, a chain of k where the tree
     verifier does not serve the row, nothing at k = 0."""
+    return _shape(tuple(widths), k, tree_ok(params))
+
+
+@lru_cache(maxsize=256)
+def _shape(widths: tuple[int, ...], k: int, tree: bool) -> torch.Tensor:
+    """(Built once per widths, k and kind: every row asks every round. Read-only.)"""
     if k <= 0:
         return torch.zeros(0, dtype=torch.long)
-    if not tree_ok(params) or max(widths[:k]) == 1:
+    if not tree or max(widths[:k]) == 1:
         return chain(k)
     return tree_from_widths(widths[:k])
 
@@ -68,6 +76,15 @@ def forward_inputs(reqs, prop, device):
     last = torch.tensor([[r.tokens[-1]] for r in reqs])
     feed = torch.cat([last, prop.tokens.cpu()], dim=1)
     return feed.to(device), positions.to(device), slots.to(device), mask.to(device)
+
+
+def row_hidden(hidden: torch.Tensor, path: list[int] | None, n: int) -> torch.Tensor:
+    """The hidden states [n, dim] at the inputs whose logits produced a row's n committed tokens:
+    the first n positions of a chain; the root and then the accepted nodes (position 1 + node
+    index) of a tree."""
+    if path is None:
+        return hidden[:n]
+    return hidden[torch.tensor([0] + [j + 1 for j in path])[:n]]
 
 
 def tree_rows(reqs, prop) -> list[int]:

@@ -31,7 +31,7 @@ from specdec.proposers.base import Candidate, Proposal, ProposerBase
 from specdec.round import RowResult
 from specdec.runtime.kv_cache import prefill as kv_prefill
 from specdec.runtime.kv_cache import common_prefix, ragged_block, rows_arg
-from specdec.tree import ancestor_mask, depths, draft_children, tree_ok
+from specdec.tree import ancestor_mask, children, depths, draft_children, tree_ok
 
 
 class DraftModelProposer(ProposerBase):
@@ -178,7 +178,7 @@ class DraftModelProposer(ProposerBase):
         tokens = torch.zeros(n, N, dtype=torch.long)
         valid = torch.zeros(n, N, dtype=torch.bool)
         dep = [depths(s)[1:] for s in shapes]  # [N_b] depth of each node (1: the root's children)
-        kids = [[[j for j, u in enumerate(s.tolist()) if u == i] for i in range(-1, len(s))] for s in shapes]
+        kids = [children(s) for s in shapes]  # [N_b + 1]: the root's children, then each node's
         for b, r in enumerate(reqs):
             self._fill(r, root[b], kids[b][0], tokens[b], valid[b], True, 0, None if q is None else q[b])
         for d in range(2, max(int(x.max()) for x in dep) + 1):
