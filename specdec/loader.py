@@ -22,6 +22,7 @@ from specdec.errors import SpecdecError, check_choice
 from specdec.head import load_head, shipped_head
 from specdec.proposers import CompositeProposer, DraftModelProposer, NgramProposer
 from specdec.proposers.head import HeadProposer
+from specdec.runtime import prepared
 from specdec.runtime.hub import REGISTRY, model_path, resolve_model
 from specdec.runtime.kernels.quant import QuantTensor, requantise
 from specdec.runtime.model import Part, Transformer
@@ -46,10 +47,12 @@ def _gguf_path(name: str) -> Path | None:
 
 
 def load_model(name: str, dtype: str = "auto", device: str | None = None, progress=None,
-               part: Part | None = None):
+               part: Part | None = None, cache: bool = True):
     """(Transformer, Tokenizer) from a registry name, a GGUF file or an HF directory; with
     `part`, only that part of the model, reading only its tensors (a pipeline stage; no
-    tokenizer, None, for a part without the embedding)."""
+    tokenizer, None, for a part without the embedding). cache: on the CPU, map the weights
+    prepared by an earlier load (specdec.runtime.prepared), or prepare them and write them there
+    for the next; False: prepare them in memory, as before the cache existed."""
     if dtype not in DTYPES:
         raise SpecdecError(f"dtype={dtype!r}; allowed: {', '.join(DTYPES)}")
     device = device or default_device()
@@ -57,21 +60,36 @@ def load_model(name: str, dtype: str = "auto", device: str | None = None, progre
         raise SpecdecError(f"device={device!r}; allowed: cpu, cuda")
     if device == "cuda" and not torch.cuda.is_available():
         raise SpecdecError("device='cuda' but no CUDA device is available; use --device cpu")
-    path = resolve_model(name, progress)
     gguf = _gguf_path(name)
     if dtype == "auto":
         dtype = "native" if gguf is not None else "fp32"
-    if dtype in ("native", "q4_0"):  # weights straight from the GGUF file, still quantised
-        if gguf is None:
-            raise SpecdecError(f"dtype={dtype!r} needs a GGUF model (registry name or .gguf file), got {name!r}")
-        args, state = read_gguf_native(gguf, keep=part.needs if part is not None else None)
+    native = dtype in ("native", "q4_0")  # weights straight from the GGUF file, still quantised
+    if native and gguf is None:
+        resolve_model(name, progress)  # an unknown name or missing file is its own error
+        raise SpecdecError(f"dtype={dtype!r} needs a GGUF model (registry name or .gguf file), got {name!r}")
+    # the tokenizer (and for fp32 / bf16 the converted weights) from the checkpoint's directory;
+    # a GGUF run natively needs only its tokenizer converted, never its weights
+    path = resolve_model(name, progress, weights=not native)
+    entry = prepared.entry_path(gguf if native else path, dtype, part) if cache and device == "cpu" else None
+    model = prepared.load(entry) if entry is not None else None
+    if model is None:
+        model = _prepare(gguf if native else path, dtype, device, part)
+        if entry is not None and prepared.save(entry, model):
+            model = prepared.load(entry) or model  # the mapping: each weight held once, from now on
+    tok = Tokenizer.load(path) if part is None or part.embed else None  # a later stage: ids only
+    return model, tok
+
+
+def _prepare(source: Path, dtype: str, device: str, part: Part | None) -> Transformer:
+    """The model read from its checkpoint and packed for the kernels, in memory."""
+    if dtype in ("native", "q4_0"):
+        args, state = read_gguf_native(source, keep=part.needs if part is not None else None)
         if dtype == "q4_0":
             state = _requantised(state, args.tie_embeddings)
         dtype = "native"
     else:
-        args, state = load_hf_dir(path)
-    tok = Tokenizer.load(path) if part is None or part.embed else None  # a later stage: ids only
-    return Transformer(args, state, dtype=dtype, device=device, part=part), tok
+        args, state = load_hf_dir(source)
+    return Transformer(args, state, dtype=dtype, device=device, part=part)
 
 
 def _requantised(state: dict, tied: bool) -> dict:

@@ -3,7 +3,7 @@
     python tests/pipeline_probe.py single|rows|pipeline MODEL [STAGES]
 
 single: one process, the model as `specdec generate` loads it; rows: one process with the
-embedding kept as stored (Part.embed_rows, as pipeline rank 0 keeps it); pipeline: STAGES
+embedding kept as stored (Part.embed_rows, the default for a block-quantised one); pipeline: STAGES
 processes (rank 0 here, the rest started by specdec.distributed.pipeline.launch). Prints one JSON
 line: {"base_mb": peak RSS after the imports and the kernel builds, "peak_mb": [peak RSS per
 process, rank 0 first], "weights_mb": [weights each holds]}. Run by tests/test_pipeline.py and

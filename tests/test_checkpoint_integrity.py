@@ -72,20 +72,21 @@ def corrupt_scale(path: Path, qtype: str, offset: int, block: int = 3, seed: int
 @pytest.mark.parametrize("qtype,offset", [("Q8_0", 0), ("Q4_1", 2)])
 def test_corrupt_scale_is_named_and_nothing_is_cached(tmp_path, cache, qtype, offset):
     """An inf/NaN block scale (Q8_0's d; Q4_1's m) is refused by tensor and file on every path:
-    read natively (its scales checked, 1 bad field), and loaded --dtype native or fp32 (both
-    convert first: the block's 32 values are non-finite after dequantisation). No conversion
-    cache entry, finished or partial, is left."""
+    read natively (its scales checked, 1 bad field), loaded --dtype native (the same check: a
+    native load converts only the tokenizer) or fp32 (converted first: the block's 32 values are
+    non-finite after dequantisation). No conversion or prepared-weights entry, finished or
+    partial, is left."""
     gguf = tmp_path / "model.gguf"
     write_tiny_gguf(gguf, qtype=getattr(GGMLQuantizationType, qtype))
     corrupt_scale(gguf, qtype, offset)
     with pytest.raises(SpecdecError, match=rf"model\.gguf: tensor '{TENSOR}' \({qtype}\) has 1 "
                                            "non-finite block scales; the file is corrupt"):
         W.read_gguf_native(gguf)
-    for dtype in ("native", "fp32"):
-        with pytest.raises(SpecdecError, match=rf"model\.gguf: tensor '{TENSOR}' \({qtype}\) has 32 "
-                                               "non-finite values after dequantisation"):
+    for dtype, bad in (("native", "1 non-finite block scales"), ("fp32", "32 non-finite values after "
+                                                                   "dequantisation")):
+        with pytest.raises(SpecdecError, match=rf"model\.gguf: tensor '{TENSOR}' \({qtype}\) has {bad}"):
             load_model(str(gguf), dtype=dtype, device="cpu")
-        assert entries(cache) == []
+        assert entries(cache) == [] and not (cache / "prepared").exists()
 
 
 def test_random_bytes_over_a_tensor_are_refused(tmp_path, cache):

@@ -110,7 +110,7 @@ def test_stage_parts_read_only_their_tensors():
         [True, True, False, True, False, False],
         [False, False, False, False, True, False],
         [False, False, True, False, False, True]]
-    assert parts[0].embed_rows and not pipeline.stage_part([(0, 30)], 0).embed_rows
+    assert parts[0].embed_rows and pipeline.stage_part([(0, 30)], 0).embed_rows
 
 
 def test_tiny_qwen2_over_three_stages_fp32(tmp_path, one_thread):
@@ -176,18 +176,21 @@ def _probe(mode: str, model: str) -> dict:
 
 def _check_memory(model: str) -> None:
     """Fresh processes (a peak never goes down): one loading the model, and a 2-stage
-    pipeline. Each stage holds about half the weights (rank 0: the embedding kept as stored and
-    the head, and fewer layers), and its peak resident memory above the imports (torch and the
-    kernels, the same in every process) is at most 0.6 of the single process's. Not exactly a
-    half: every process also parses the GGUF's metadata (the vocabulary: 0.17 GB for SmolLM2,
-    0.5 GB for Qwen 1.5B, for a moment) and holds its tensors' file pages next to their packed
-    copies until it has packed them all."""
+    pipeline, each measured on a warm prepared-weights cache (a first run fills it: every load
+    after the first maps the weights instead of reading the GGUF). Each stage holds about its
+    share of the weights (rank 0: the embedding kept as stored, the head and its layers), and its
+    peak resident memory above the imports (torch and the kernels, the same in every process) is
+    at most its share of the single process's plus a tenth (the tokenizer on rank 0, message
+    buffers)."""
+    for mode in ("single", "pipeline"):  # fill the cache: whole model and each stage's part
+        _probe(mode, model)
     single, pipe = _probe("single", model), _probe("pipeline", model)
     above = lambda p: [m - p["base_mb"] for m in p["peak_mb"]]  # noqa: E731
     print(json.dumps({"single": single, "pipeline": pipe}))
     total = sum(pipe["weights_mb"])
     assert all(w <= 0.6 * total for w in pipe["weights_mb"]), pipe
-    assert max(above(pipe)) <= 0.6 * above(single)[0], (single, pipe)
+    for w, m in zip(pipe["weights_mb"], above(pipe)):
+        assert m <= (w / total + 0.1) * above(single)[0], (single, pipe)
 
 
 def test_smollm2_peak_memory_per_process_about_half():

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from specdec.config import SamplingParams
+from specdec.runtime.model import RowEmbedding
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,11 @@ def test_native_loads_quantised_weights(native):
         assert isinstance(w, QuantWeight)
     assert lw.wqkv.segments == (("Q4_1", 576), ("Q4_1", 192), ("Q4_1", 192))
     assert model.lm_head.segments == (("Q8_0", 49152),)
-    assert model.embed.dtype == torch.float32 and lw.attn_norm.dtype == torch.float32
+    assert lw.attn_norm.dtype == torch.float32
+    # the embedding kept as stored: looked-up rows are the whole table's dequantised rows
+    assert isinstance(model.embed, RowEmbedding) and model.embed.qt.qtype == "Q8_0"
+    ids = torch.tensor([[0, 5, 49151], [17, 17, 3]])
+    assert torch.equal(model.embed[ids], model.embed.qt.dequantize()[ids])
 
 
 def test_logits_close_to_fp32_dequantised(native, smollm2):

@@ -57,7 +57,7 @@ from specdec.loader import default_device, load_model
 from specdec.runtime.hub import resolve_model
 from specdec.runtime.kv_cache import KVCache
 from specdec.runtime.model import Part, Transformer, select_positions
-from specdec.runtime.weights import load_hf_dir
+from specdec.runtime.weights import read_config
 
 HEADER = 2048  # bytes of a command message: a length, then the pickled command (the rest follows)
 READY_TIMEOUT = timedelta(minutes=30)  # for every rank to load its part and report ready
@@ -94,14 +94,12 @@ def stage_part(ranges: list[tuple[int, int]], rank: int) -> Part:
     """Rank 0: the embedding (block-quantised rows kept as stored), its layers and the head;
     the last rank: its layers and the final norm; any other: its layers only."""
     first, last = ranges[rank]
-    alone = len(ranges) == 1
-    return Part(first, last, embed=rank == 0, norm=rank == len(ranges) - 1, head=rank == 0,
-                embed_rows=not alone)
+    return Part(first, last, embed=rank == 0, norm=rank == len(ranges) - 1, head=rank == 0)
 
 
 def model_args(name: str, progress=None) -> ModelArgs:
     """The model's shape, from its (converted) config, before any weight is read."""
-    return load_hf_dir(resolve_model(name, progress))[0]
+    return read_config(resolve_model(name, progress, weights=False))
 
 
 # ---- messages --------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ from specdec.head import attach
 from specdec.head.data import Sequence, harvest, training_prompts
 from specdec.head.model import DraftHead, HeadConfig
 from specdec.loader import load_model
-from specdec.runtime.hub import REGISTRY, resolve_model
+from specdec.runtime.hub import REGISTRY
 from specdec.tools.prompts import CHAT_PROMPTS, humaneval
 
 STEP_WEIGHTS = (1.0, 0.8, 0.6, 0.5, 0.4)  # loss weight of each unrolled draft step
@@ -441,7 +441,7 @@ def cmd_train_head(a) -> int:
     if a.model in REGISTRY:
         sha = REGISTRY[a.model].sha256
     else:
-        path = Path(resolve_model(a.model))
+        path = Path(a.model).expanduser()  # a GGUF file has a sha256; an HF directory none
         sha = _file_sha256(path) if path.is_file() else ""
     console = Console(stderr=True)
     t0 = time.monotonic()

@@ -139,17 +139,18 @@ def fetch(name: str, progress=print) -> Path:
     return dest
 
 
-def resolve_model(name_or_path: str, progress=None, auto_fetch: bool = True) -> Path:
-    """Registry name, GGUF file or HF directory -> an HF-style directory ready to load."""
+def resolve_model(name_or_path: str, progress=None, auto_fetch: bool = True, weights: bool = True) -> Path:
+    """Registry name, GGUF file or HF directory -> an HF-style directory ready to load (weights
+    False: a GGUF's tokenizer and config only, for a model run from the GGUF itself)."""
     if name_or_path in REGISTRY:
         path = model_path(name_or_path)
         if not path.is_file():
             if not auto_fetch:
                 raise SpecdecError(f"model {name_or_path!r} is not fetched; run: specdec models fetch {name_or_path}")
             path = fetch(name_or_path, progress or (lambda s: None))
-        return resolve_checkpoint(path, progress)
+        return resolve_checkpoint(path, progress, weights)
     p = Path(name_or_path).expanduser()
     if p.exists() or "/" in name_or_path or name_or_path.endswith(".gguf"):
-        return resolve_checkpoint(p, progress)
+        return resolve_checkpoint(p, progress, weights)
     raise SpecdecError(f"unknown model {name_or_path!r}: not a known name ({', '.join(REGISTRY)}) "
                        "nor an existing GGUF file or directory")

@@ -19,7 +19,7 @@ pieces, `plan`, `run_layers`, `final_norm` and `output`, in several processes, t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 import numpy as np
 import torch
@@ -45,14 +45,15 @@ class LayerWeights:
 class Part:
     """The pieces of the model one process builds: layers [first, last), the token embedding,
     the final norm, the output head. embed_rows: keep a block-quantised embedding as stored and
-    dequantise only the rows a forward looks up (RowEmbedding), not the whole table in fp32."""
+    dequantise only the rows a forward looks up (RowEmbedding), not the whole table in fp32
+    (False: the fp32 table, 0.9 GB for Qwen2.5 1.5B, ~50 us less per forward)."""
 
     first: int
     last: int
     embed: bool = True
     norm: bool = True
     head: bool = True
-    embed_rows: bool = False
+    embed_rows: bool = True
 
     @staticmethod
     def whole(n_layers: int) -> "Part":
@@ -72,9 +73,15 @@ class RowEmbedding:
     looked up, to the same bits as the whole table's dequantisation (a block never straddles two
     rows), for ~50 us a forward instead of V * dim * 4 bytes held (0.9 GB for Qwen2.5 1.5B)."""
 
-    def __init__(self, qt: kernels.QuantTensor, device: torch.device):
-        self.qt = replace(qt, raw=np.array(qt.raw))  # its own memory: a file mapping can close
+    def __init__(self, qt: kernels.QuantTensor, device: torch.device, copy: bool = True):
+        # copy: its own memory, where qt's lies in a file mapping that may close (the GGUF
+        # reader's); a prepared-weights cache's mapping lives as long as the tensor over it
+        self.qt = replace(qt, raw=np.array(qt.raw)) if copy else qt
         self.device = device
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.qt.shape
 
     def __getitem__(self, tokens: torch.Tensor) -> torch.Tensor:  # [B, T] -> [B, T, dim] fp32
         ids = tokens.reshape(-1).cpu().numpy()
@@ -135,8 +142,60 @@ class Transformer:
         if part.head:
             tied = a.tie_embeddings or "lm_head.weight" not in state
             self.lm_head = prep("model.embed_tokens.weight" if tied else "lm_head.weight")
+        self._rope()
+
+    def _rope(self) -> None:
+        a = self.args
         cos, sin = rope_tables(a.head_dim, a.max_seq_len + 64, a.rope_theta)
         self.cos, self.sin = cos.to(self.device), sin.to(self.device)
+
+    # ---- the prepared-weights cache (specdec.runtime.prepared) ---------------------------------
+    def export(self) -> dict | None:
+        """The model as plain data (ints, strings, tensors: what torch.load(weights_only=True)
+        reads back), its weights in the packed form the kernels stream; None where a weight is
+        held dense by the torch fallback or lies off the CPU (nothing worth caching)."""
+        if self.device.type != "cpu":
+            return None
+
+        def w(x):
+            if x is None:
+                return None
+            if isinstance(x, torch.Tensor):
+                return {"kind": "tensor", "t": x}
+            if isinstance(x, RowEmbedding):
+                return {"kind": "rows", "qtype": x.qt.qtype, "raw": torch.from_numpy(x.qt.raw),
+                        "shape": list(x.qt.shape)}
+            return kernels.weight_state(x)
+
+        layers = [{f.name: w(getattr(lw, f.name)) for f in fields(LayerWeights)} for lw in self.layers]
+        out = {"args": asdict(self.args), "dtype": self.weight_dtype, "part": asdict(self.part),
+               "embed": w(self.embed), "norm": w(self.norm), "lm_head": w(self.lm_head), "layers": layers}
+        packed = [x for x in (self.embed, self.lm_head) if x is not None and not isinstance(x, torch.Tensor)]
+        packed += [getattr(lw, n) for lw in self.layers for n in ("wqkv", "wo", "w_gate_up", "w_down")]
+        return None if any(w(x) is None for x in packed) else out
+
+    @classmethod
+    def from_export(cls, d: dict) -> "Transformer":
+        """The model `export` described, on the tensors given (a mapped cache file's): the
+        same weights, so the same bits, as the model that was exported."""
+        self = cls.__new__(cls)
+        self.args, self.part = ModelArgs(**d["args"]), Part(**d["part"])
+        self.device, self.weight_dtype = torch.device("cpu"), d["dtype"]
+
+        def w(x):
+            if x is None:
+                return None
+            if x["kind"] == "tensor":
+                return x["t"]
+            if x["kind"] == "rows":
+                qt = kernels.QuantTensor(x["qtype"], x["raw"].numpy(), tuple(x["shape"]))
+                return RowEmbedding(qt, self.device, copy=False)
+            return kernels.weight_from_state(x)
+
+        self.embed, self.norm, self.lm_head = w(d["embed"]), w(d["norm"]), w(d["lm_head"])
+        self.layers = [LayerWeights(**{k: w(v) for k, v in lw.items()}) for lw in d["layers"]]
+        self._rope()
+        return self
 
     def new_cache(self, batch_size: int, max_seq_len: int | None = None, headroom: int = 33) -> KVCache:
         """KV buffers for this part's layers."""

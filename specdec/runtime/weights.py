@@ -5,7 +5,9 @@ Face names (undoing llama.cpp's q/k row permutation for the llama architecture),
 rebuilt from the metadata (via transformers' GGUF converter), and the result is written once as a
 Hugging Face-style directory under `$SPECDEC_CACHE/converted/` (config.json, model.safetensors,
 tokenizer.json, tokenizer_config.json). Later loads read that directory, which takes well under a
-second for SmolLM2-135M. Every user-visible failure is a one-line `SpecdecError`.
+second for SmolLM2-135M. A GGUF run at its own quantisation needs only its config and tokenizer
+converted (`$SPECDEC_CACHE/tokenizers/`: seconds, not the minute and gigabytes of fp32 weights).
+Every user-visible failure is a one-line `SpecdecError`.
 
 Nothing non-finite gets past loading: every dequantised or converted tensor is checked finite,
 and a block-quantised matrix kept as stored has its fp16 scale fields checked (the codes are
@@ -281,15 +283,21 @@ def conversion_key(path: Path) -> str:
     return f"{path.stem}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
 
 
-def convert_gguf(path: Path, progress=None) -> Path:
-    """Convert a GGUF into a cached HF-style directory (once) and return that directory."""
+def convert_gguf(path: Path, progress=None, weights: bool = True) -> Path:
+    """Convert a GGUF into a cached HF-style directory (once) and return that directory.
+    weights False: its config and tokenizer only (the entry of a model run from the GGUF
+    itself; a whole conversion, where one exists already, serves as well)."""
     path = Path(path)
     if not path.is_file():
         raise SpecdecError(f"model file not found: {path}")
-    parent = cache_root() / "converted"
-    out = parent / conversion_key(path)
+    key = conversion_key(path)
+    whole = cache_root() / "converted" / key
+    if _is_file(whole / "DONE"):
+        return whole  # a read-only cache still serves what it holds
+    parent = whole.parent if weights else cache_root() / "tokenizers"
+    out = parent / key
     if _is_file(out / "DONE"):
-        return out  # a read-only cache still serves what it holds
+        return out
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
@@ -301,11 +309,16 @@ def convert_gguf(path: Path, progress=None) -> Path:
         raise cache_error(parent, e) from None
     try:
         if progress:
-            progress(f"converting {path.name} to {out} (once)")
-        args, state = read_gguf(path)
+            what = path.name if weights else f"the tokenizer of {path.name}"
+            progress(f"converting {what} to {out} (once)")
+        if weights:
+            args, state = read_gguf(path)
+        else:
+            args, state = _gguf_args(_open_gguf(path), path)[0], None
         try:
-            save_file(state, str(tmp / "model.safetensors"))
-            del state
+            if weights:
+                save_file(state, str(tmp / "model.safetensors"))
+                del state
             (tmp / "config.json").write_text(json.dumps(args.to_hf_config(), indent=1))
             _gguf_tokenizer(path, tmp)
             (tmp / "DONE").write_text(str(path.resolve()))
@@ -369,16 +382,21 @@ class LazyTensors(Mapping):
         return len(self._where)
 
 
-def load_hf_dir(path: Path) -> tuple[ModelArgs, Mapping[str, torch.Tensor]]:
-    path = Path(path)
-    cfg_file = path / "config.json"
+def read_config(path: Path) -> ModelArgs:
+    """The model's shape from an HF-style directory's config.json."""
+    cfg_file = Path(path) / "config.json"
     if not cfg_file.is_file():
         raise SpecdecError(f"model directory {path} has no config.json")
     try:
         cfg = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise SpecdecError(f"{cfg_file} is not valid JSON ({e})") from None
-    args = ModelArgs.from_hf_config(cfg)
+    return ModelArgs.from_hf_config(cfg)
+
+
+def load_hf_dir(path: Path) -> tuple[ModelArgs, Mapping[str, torch.Tensor]]:
+    path = Path(path)
+    args = read_config(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise SpecdecError(f"model directory {path} has no *.safetensors files")
@@ -386,8 +404,9 @@ def load_hf_dir(path: Path) -> tuple[ModelArgs, Mapping[str, torch.Tensor]]:
     return args, LazyTensors(files, check_finite=not (path / "DONE").is_file())
 
 
-def resolve_checkpoint(path: Path, progress=None) -> Path:
-    """A GGUF file or an HF directory -> an HF-style directory we can load quickly."""
+def resolve_checkpoint(path: Path, progress=None, weights: bool = True) -> Path:
+    """A GGUF file or an HF directory -> an HF-style directory we can load quickly (weights
+    False: for a GGUF, its config and tokenizer only)."""
     path = Path(path).expanduser()
     if path.is_dir():
         return path
@@ -395,4 +414,4 @@ def resolve_checkpoint(path: Path, progress=None) -> Path:
         raise SpecdecError(f"model file not found: {path}")
     if path.suffix.lower() != ".gguf":
         raise SpecdecError(f"unsupported model file {path}: expected a .gguf file or a Hugging Face directory")
-    return convert_gguf(path, progress)
+    return convert_gguf(path, progress, weights)

@@ -131,7 +131,7 @@ def serve_replicas(a) -> int:
     if a.ray_address is None:  # fetch and check each model once here, not once per replica
         for name in (a.model, a.draft):
             if name is not None:
-                resolve_model(name)
+                resolve_model(name, weights=False)
     port = _port(a.host, a.port)
     a = argparse.Namespace(**{**vars(a), "threads": plan.threads})
     _start_ray(ray, a)

@@ -31,7 +31,8 @@ from specdec.runtime.kernels import extension, quant
 from specdec.runtime.kernels.extension import CFLAGS  # noqa: F401 -- benchmarks build with it
 
 __all__ = ["PreparedWeight", "prepare_weight", "prepare_quant", "QuantTensor", "linear",
-           "kernel_available", "kernel_isa", "build", "MAX_KERNEL_ROWS", "NR"]
+           "kernel_available", "kernel_isa", "build", "MAX_KERNEL_ROWS", "NR", "weight_state",
+           "weight_from_state", "packed_layout"]
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +157,40 @@ def _use_kernel(x: torch.Tensor, m: int, mode: str | None = None) -> bool:
 
 prepare_quant = quant.prepare_quant
 QuantTensor = quant.QuantTensor
+
+
+def weight_state(w: PreparedWeight | quant.QuantWeight) -> dict | None:
+    """A prepared weight as plain data (tensors, ints, strings) for the prepared-weights cache,
+    packed records only; None for a weight held in the fallback's dense fp32 (nothing to gain
+    from caching what any load rebuilds the same way)."""
+    if w.packed is None:
+        return None
+    if isinstance(w, quant.QuantWeight):
+        return {"kind": "quant", "segments": [list(s) for s in w.segments], "packed": list(w.packed),
+                "n": w.n, "k": w.k, "fids": list(w.fids)}
+    return {"kind": "panels", "packed": w.packed, "n": w.n, "k": w.k, "dtype": w.dtype}
+
+
+def weight_from_state(d: dict) -> PreparedWeight | quant.QuantWeight:
+    """Inverse of weight_state: the same weight, on the tensors given (a mapped file's)."""
+    if d["kind"] == "quant":
+        return quant.QuantWeight(tuple((q, n) for q, n in d["segments"]), list(d["packed"]), None,
+                                 d["n"], d["k"], fids=tuple(d["fids"]))
+    return PreparedWeight(d["packed"], None, d["n"], d["k"], d["dtype"])
+
+
+def packed_layout(dtype: str) -> str | None:
+    """The kernel layout weights of `dtype` get packed in here: "panels" (fp32 / bf16), "q6k"
+    or "q6k2" (GGUF blocks; Q6_K in the AVX2 routine's layout or not); None where the torch
+    fallback holds dense weights instead."""
+    if os.environ.get("SPECDEC_KERNEL") == "torch" or not kernel_available():
+        return None
+    if dtype != "native":
+        return "panels"
+    qext = quant._qext()
+    if qext is None:
+        return None
+    return "q6k2" if os.environ.get("SPECDEC_KERNEL") == "avx2" or qext.best_isa() == 2 else "q6k"
 
 
 def linear(x: torch.Tensor, w: PreparedWeight | quant.QuantWeight,
