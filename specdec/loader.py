@@ -73,6 +73,8 @@ def load_model(name: str, dtype: str = "auto", device: str | None = None, progre
     entry = prepared.entry_path(gguf if native else path, dtype, part) if cache and device == "cpu" else None
     model = prepared.load(entry) if entry is not None else None
     if model is None:
+        if progress and entry is not None:
+            progress(f"preparing {name} ({dtype}) for this CPU's kernels into {entry} (once)")
         model = _prepare(gguf if native else path, dtype, device, part)
         if entry is not None and prepared.save(entry, model):
             model = prepared.load(entry) or model  # the mapping: each weight held once, from now on

@@ -41,8 +41,9 @@ def cpu_has_avx2_fma() -> bool:
 
 
 def build_dir() -> Path:
-    """The folder holding every extension's build directories."""
-    return Path(os.environ.get("SPECDEC_CACHE") or "~/.cache/specdec").expanduser() / "ext"
+    """The folder holding every extension's build directories, symlinks resolved: ninja's build
+    file records absolute paths, so one build reached by two paths would be rebuilt by each."""
+    return (Path(os.environ.get("SPECDEC_CACHE") or "~/.cache/specdec").expanduser() / "ext").resolve()
 
 
 def build_key(sources: list[Path], cflags: list[str], ldflags: list[str] = LDFLAGS) -> str:
