@@ -9,8 +9,8 @@ runtime's own (peak after the imports, the kernel builds and nothing else), agai
 own bytes (the GGUF's tensors for native, 4 / 2 bytes a parameter for fp32 / bf16, the
 requantised tensors for q4_0).
 
-cold: an empty specdec cache (the model files and the built kernels linked in; the OS page cache
-holds the files either way); warm: the same cache again, what every later start costs (median of
+cold: an empty specdec cache (the model files linked in, each side's kernels built beforehand;
+the OS page cache holds the files either way); warm: the same cache again, what every later start costs (median of
 --repeats). Runs interleave before / after per repeat.
 
     git worktree add /tmp/before BASE_COMMIT   # the code before the change
@@ -98,12 +98,17 @@ def run(root: Path, cache: Path, name: str, dtype: str, threads: int) -> dict:
     return out
 
 
-def fresh_cache(shared: Path, ext: Path) -> Path:
-    """An empty specdec cache but for the model files and this side's built kernels."""
-    c = Path(tempfile.mkdtemp(prefix="specdec-load-"))
-    for sub, src in (("models", shared / "models"), ("downloads", shared / "downloads"), ("ext", ext)):
-        if src.exists():
-            (c / sub).symlink_to(src)
+def fresh_cache(shared: Path, side: str) -> Path:
+    """The side's specdec cache emptied but for the model files (linked) and its built kernels:
+    one fixed directory per side, since a kernel build is tied to its absolute path."""
+    c = Path(tempfile.gettempdir()) / f"specdec-load-{side}"
+    c.mkdir(exist_ok=True)
+    for p in c.iterdir():
+        if p.name != "ext":
+            p.unlink() if p.is_symlink() or p.is_file() else shutil.rmtree(p)
+    for sub in ("models", "downloads"):
+        if (shared / sub).exists():
+            (c / sub).symlink_to(shared / sub)
     return c
 
 
@@ -117,20 +122,16 @@ def main() -> None:
     a = ap.parse_args()
     shared = Path(os.environ.get("SPECDEC_CACHE") or Path.home() / ".cache" / "specdec")
     sides = {"before": a.before.resolve(), "after": a.after.resolve()}
-    ext = shared / "ext"  # builds are keyed by their sources: both sides share the directory
     for s, root in sides.items():  # build each side's kernels now, not inside a timed load
-        c = fresh_cache(shared, ext)
         subprocess.run([sys.executable, "-c", "from specdec.runtime import kernels; from specdec.runtime.kernels "
                         "import fused, quant; kernels.build(); fused.build(); quant._qext()"],
-                       env={**os.environ, "PYTHONPATH": str(root), "SPECDEC_CACHE": str(c)}, cwd=root, check=True)
-        shutil.rmtree(c, ignore_errors=True)
-    print(f"CPU: {cpu_name()} ({isa()}), {a.threads} threads; before = {sides['before']}, after = {sides['after']}",
-          flush=True)
+                       env={**os.environ, "PYTHONPATH": str(root), "SPECDEC_CACHE": str(fresh_cache(shared, s))},
+                       cwd=root, check=True)
     rows = []
     for cfg in a.configs.split(","):
         name, dtype = cfg.split(":")
         res = {}
-        caches = {s: fresh_cache(shared, ext) for s in sides}
+        caches = {s: fresh_cache(shared, s) for s in sides}
         for s, root in sides.items():  # cold: an empty cache (conversion, packing, writing it)
             res[s, "cold"] = run(root, caches[s], name, dtype, a.threads)
         warm = {s: [] for s in sides}
@@ -139,7 +140,6 @@ def main() -> None:
                 warm[s].append(run(root, caches[s], name, dtype, a.threads))
         for s in sides:
             res[s, "warm"] = {k: statistics.median(r[k] for r in warm[s]) for k in warm[s][0]}
-            shutil.rmtree(caches[s], ignore_errors=True)
         own = own_mb(name, dtype, res["after", "warm"], shared)
         for (s, mode), r in res.items():
             rows.append({"model": name, "dtype": dtype, "side": s, "mode": mode, "load_s": r["load_s"],
