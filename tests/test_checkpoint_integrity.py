@@ -319,3 +319,51 @@ def test_load_extension_builds_in_the_keyed_dir_without_drifting(tmp_path, monke
     assert (extension.CFLAGS, extension.LDFLAGS) == (cflags, ldflags)
     bdir = tmp_path / "ext" / f"specdec_linear-{key}"
     assert calls == [(str(bdir), [str(bdir / "linear.cpp")])] * 2
+
+
+def test_a_killed_build_does_not_hang_the_next_process(tmp_path, monkeypatch):
+    """A build killed mid-way leaves torch's "lock" file behind, on which every later process
+    waited forever. A builder holds an flock (released by the kernel when it dies) and removes a
+    stale "lock" under it; a second builder waits for the flock instead."""
+    import fcntl
+
+    from torch.utils import cpp_extension
+
+    seen = []
+
+    def fake_load(name, sources, extra_cflags, extra_ldflags, build_directory, verbose):
+        bdir = Path(build_directory)
+        seen.append((bdir / "lock").exists())
+        with open(bdir / ".build-flock", "w") as other:  # another process's attempt, meanwhile
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return name
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    key = extension.build_key([extension._DIR / "linear.cpp"], extension.CFLAGS)
+    bdir = tmp_path / "ext" / f"specdec_linear-{key}"
+    bdir.mkdir(parents=True)
+    (bdir / "lock").touch()  # what a build killed with Ctrl-C leaves
+    assert extension.load_extension("specdec_linear", ["linear.cpp"]) == "specdec_linear"
+    assert seen == [False]
+    with open(bdir / ".build-flock", "w") as after:  # released once the build is done
+        fcntl.flock(after, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_a_stale_build_lock_on_the_real_kernels(tmp_path):
+    """The same through torch's real loader on this machine's built kernels: a fresh process
+    with a stale "lock" in the matmul kernel's build directory loads it (it waited forever)."""
+    import subprocess
+    import sys
+
+    if extension.linear_extension() is None:
+        pytest.skip("no C++ kernel builds here")
+    key = extension.build_key([extension._DIR / "linear.cpp"], extension.CFLAGS)
+    lock = extension.build_dir() / f"specdec_linear-{key}" / "lock"
+    lock.touch()
+    try:
+        code = "from specdec.runtime.kernels import extension; assert extension.linear_extension() is not None"
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+    finally:
+        lock.unlink(missing_ok=True)

@@ -10,6 +10,7 @@ where either checkout lives, so neither ever rebuilds the other's.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -86,14 +87,21 @@ def load_extension(name: str, sources: list[str], verbose: bool = False, cflags:
         bindir = os.path.dirname(sys.executable)
         if bindir not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-        return cpp_extension.load(
-            name=name,
-            sources=[str(s) for s in staged],
-            extra_cflags=list(cflags),  # copies: torch appends its own flags to these lists
-            extra_ldflags=list(LDFLAGS),
-            build_directory=str(bdir),
-            verbose=verbose,
-        )
+        # torch guards a build with a "lock" file that a killed build (Ctrl-C during the first
+        # minute) leaves behind, and every later process then waits for it forever. Builders
+        # here take an flock first, which the kernel releases when its holder dies; whoever
+        # holds it knows a "lock" file is stale.
+        with open(bdir / ".build-flock", "w") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            (bdir / "lock").unlink(missing_ok=True)
+            return cpp_extension.load(
+                name=name,
+                sources=[str(s) for s in staged],
+                extra_cflags=list(cflags),  # copies: torch appends its own flags to these lists
+                extra_ldflags=list(LDFLAGS),
+                build_directory=str(bdir),
+                verbose=verbose,
+            )
     except Exception as e:  # noqa: BLE001 -- any build failure means "fall back"
         lines = str(e).strip().splitlines()
         log.warning("specdec.runtime.kernels: %s build failed, using the torch fallback: %s",
