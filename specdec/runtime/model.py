@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
 
+import gguf.quants as gguf_quants
 import numpy as np
 import torch
 
@@ -78,6 +79,10 @@ class RowEmbedding:
         # reader's); a prepared-weights cache's mapping lives as long as the tensor over it
         self.qt = replace(qt, raw=np.array(qt.raw)) if copy else qt
         self.device = device
+        # the format's own block decoder: the values gguf.quants.dequantize gives, without its
+        # per-call wrapping (520 us -> 70 us for a Qwen2.5 row, on every forward)
+        self._decode = getattr(gguf_quants, qt.qtype).dequantize_blocks
+        self._tsize = kernels.quant.QUANT_TYPES[qt.qtype].tsize
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -85,8 +90,8 @@ class RowEmbedding:
 
     def __getitem__(self, tokens: torch.Tensor) -> torch.Tensor:  # [B, T] -> [B, T, dim] fp32
         ids = tokens.reshape(-1).cpu().numpy()
-        rows = replace(self.qt, raw=self.qt.raw[ids], shape=(len(ids), self.qt.shape[1]))
-        return rows.dequantize().view(*tokens.shape, -1).to(self.device)
+        rows = self._decode(self.qt.raw[ids].reshape(-1, self._tsize)).astype(np.float32, copy=False)
+        return torch.from_numpy(rows.reshape(len(ids), -1)).view(*tokens.shape, -1).to(self.device)
 
 
 def rope_tables(head_dim: int, max_pos: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,6 +10,7 @@ where either checkout lives, so neither ever rebuilds the other's.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import logging
@@ -91,9 +92,14 @@ def load_extension(name: str, sources: list[str], verbose: bool = False, cflags:
         # minute) leaves behind, and every later process then waits for it forever. Builders
         # here take an flock first, which the kernel releases when its holder dies; whoever
         # holds it knows a "lock" file is stale.
-        with open(bdir / ".build-flock", "w") as held:
-            fcntl.flock(held, fcntl.LOCK_EX)
-            (bdir / "lock").unlink(missing_ok=True)
+        try:
+            held = open(bdir / ".build-flock", "a")
+        except OSError:  # a read-only cache: its builds were made elsewhere, nothing to guard
+            held = contextlib.nullcontext()
+        with held:
+            if not isinstance(held, contextlib.nullcontext):
+                fcntl.flock(held, fcntl.LOCK_EX)
+                (bdir / "lock").unlink(missing_ok=True)
             return cpp_extension.load(
                 name=name,
                 sources=[str(s) for s in staged],
