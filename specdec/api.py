@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from specdec.config import DEFAULT_MAX_MODEL_LEN, MAX_BATCH, SamplingParams, SpeculativeConfig
 from specdec.errors import SpecdecError, check_bool, check_int, check_text, show
 from specdec.grammar import check_constraint
-from specdec.loader import build_engine, check_model_dtype, load_models
+from specdec.loader import build_engine, check_context, check_model_dtype, load_models
 from specdec.runtime.hub import DEFAULT_MODEL
 
 
@@ -55,12 +55,7 @@ def context_length(models, max_model_len: int | None) -> int:
     ctx = models.context_length()
     if max_model_len is None:
         return min(DEFAULT_MAX_MODEL_LEN, ctx)
-    check_int("max_model_len", max_model_len, 2, None)
-    if max_model_len > ctx:
-        whose = "the target's and the draft's" if models.draft is not None else "the model's"
-        raise SpecdecError(f"max_model_len={max_model_len} is out of range; allowed [2, {ctx}] ({whose} "
-                           "context)", "max_model_len")
-    return max_model_len
+    return check_context(max_model_len, ctx, models.draft is not None)
 
 
 class LLM:
@@ -88,7 +83,8 @@ class LLM:
             if draft is not None:
                 check_model_dtype("draft_dtype", spec.draft_dtype, draft, "draft")
         self.spec = spec
-        self.models = load_models(model, draft, dtype, spec.draft_dtype if spec else "auto", device, progress)
+        self.models = load_models(model, draft, dtype, spec.draft_dtype if spec else "auto", device, progress,
+                                  max_model_len)
         self.model, self.tokenizer = self.models.target, self.models.tokenizer
         self.model_name = model
         self.max_model_len = context_length(self.models, max_model_len)

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from specdec.config import DEFAULT_MAX_DRAFT_TOKENS, DTYPES, SpeculativeConfig
+from specdec.config import DEFAULT_MAX_DRAFT_TOKENS, DTYPES, ModelArgs, SpeculativeConfig
 from specdec.engine import Engine
-from specdec.errors import SpecdecError, check_choice
+from specdec.errors import SpecdecError, check_choice, check_int
 from specdec.head import load_head, shipped_head
 from specdec.proposers import CompositeProposer, DraftModelProposer, NgramProposer
 from specdec.proposers.head import HeadProposer
@@ -27,7 +27,7 @@ from specdec.runtime.hub import REGISTRY, model_path, resolve_model
 from specdec.runtime.kernels.quant import QuantTensor, requantise
 from specdec.runtime.model import Part, Transformer
 from specdec.runtime.tokenizer import Tokenizer
-from specdec.runtime.weights import load_hf_dir, read_gguf_native
+from specdec.runtime.weights import load_hf_dir, read_config, read_gguf_native
 
 # GGUF block types with more bits per weight than Q4_0's 4.5 (Q8_0 8.5, Q6_K 6.56, Q5_0 5.5,
 # Q4_1 5.0): what dtype q4_0 requantises (~0.8x the time per 0.5B Qwen decode step here)
@@ -138,7 +138,30 @@ def _load(model, dtype, device, progress):
     return model if isinstance(model, tuple) else load_model(model, dtype, device, progress)
 
 
-def load_models(model, draft=None, dtype="auto", draft_dtype="auto", device=None, progress=None) -> Models:
+def model_args(model, progress=None) -> ModelArgs:
+    """The model's shape from its config, before any weight is read (a loaded pair: its own)."""
+    if isinstance(model, tuple):
+        return model[0].args
+    return read_config(resolve_model(model, progress, weights=False))
+
+
+def check_context(max_model_len: int, ctx: int, with_draft: bool) -> int:
+    """max_model_len must fit the models' own context: an error, never a silent cap."""
+    check_int("max_model_len", max_model_len, 2, None)
+    if max_model_len > ctx:
+        whose = "the target's and the draft's" if with_draft else "the model's"
+        raise SpecdecError(f"max_model_len={max_model_len} is out of range; allowed [2, {ctx}] ({whose} "
+                           "context)", "max_model_len")
+    return max_model_len
+
+
+def load_models(model, draft=None, dtype="auto", draft_dtype="auto", device=None, progress=None,
+                max_model_len: int | None = None) -> Models:
+    """max_model_len: checked against the models' configs before any weight is read (a bad
+    value fails at once, not after a model has been loaded or prepared)."""
+    if max_model_len is not None:
+        ctx = min(model_args(m, progress).max_seq_len for m in (model, draft) if m is not None)
+        check_context(max_model_len, ctx, draft is not None)
     target, tok = _load(model, dtype, device, progress)
     vocab = min(target.args.vocab_size, tok.vocab_size) if tok is not None else target.args.vocab_size
     dm = None

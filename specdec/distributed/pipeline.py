@@ -53,11 +53,9 @@ import torch.distributed as dist
 from specdec.config import ModelArgs
 from specdec.distributed import add_pipeline_args
 from specdec.errors import SpecdecError, check_int
-from specdec.loader import default_device, load_model
-from specdec.runtime.hub import resolve_model
+from specdec.loader import default_device, load_model, model_args
 from specdec.runtime.kv_cache import KVCache
 from specdec.runtime.model import Part, Transformer, select_positions
-from specdec.runtime.weights import read_config
 
 HEADER = 2048  # bytes of a command message: a length, then the pickled command (the rest follows)
 READY_TIMEOUT = timedelta(minutes=30)  # for every rank to load its part and report ready
@@ -95,11 +93,6 @@ def stage_part(ranges: list[tuple[int, int]], rank: int) -> Part:
     the last rank: its layers and the final norm; any other: its layers only."""
     first, last = ranges[rank]
     return Part(first, last, embed=rank == 0, norm=rank == len(ranges) - 1, head=rank == 0)
-
-
-def model_args(name: str, progress=None) -> ModelArgs:
-    """The model's shape, from its (converted) config, before any weight is read."""
-    return read_config(resolve_model(name, progress, weights=False))
 
 
 # ---- messages --------------------------------------------------------------------------------

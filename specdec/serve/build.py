@@ -33,7 +33,8 @@ class Served:
 def build_served(a, api_key: str | None, progress=None) -> Served:
     spec = spec_config(a)
     draft = a.draft if spec is not None and spec.proposer in ("draft", "composite") else None
-    models = load_models(a.model, draft, a.dtype, spec.draft_dtype if spec else "auto", a.device, progress)
+    models = load_models(a.model, draft, a.dtype, spec.draft_dtype if spec else "auto", a.device, progress,
+                         a.max_model_len)
     ctx = context_length(models, a.max_model_len)  # above the model's own: an error, not a cap
     max_batch = a.max_batch
     if a.kv_cache_tokens is not None:

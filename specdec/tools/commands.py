@@ -226,7 +226,7 @@ def cmd_bench(a, models=None) -> int:
         draft_tree=parse_draft_tree(getattr(a, "draft_tree", None)))
     if models is None:
         models = load_models(a.model, a.draft if proposer in ("draft", "composite") else None, a.dtype,
-                             a.draft_dtype, a.device)
+                             a.draft_dtype, a.device, max_model_len=a.max_model_len)
     settings.max_seq_len = context_length(models, a.max_model_len)
     hf_paths = None
     if a.compare == "transformers":
