@@ -383,3 +383,33 @@ def test_full_queue_answers_429_and_recovers():
         assert ask(0) == "length"  # and the server goes on serving
     finally:
         stop_server(proc)
+
+
+def test_kv_pool_preempts_and_every_stream_is_whole(plain_llm):
+    """A KV pool of 1,024 tokens for 16 rows (each may reach a 1,024-token context): 16 greedy
+    streams of 96 tokens need ~1,700 tokens at once, so the pool preempts (asserted through
+    /metrics) and recomputes later; each stream's deltas equal plain decoding alone, token ids
+    and text, nothing lost or repeated across its pause, and the pool is never over-held."""
+    proc, url = start_server("--proposer", "ngram", "--num-draft-tokens", "4", "--max-batch", "16",
+                             "--kv-cache-tokens", "1024")
+    try:
+        cl = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        assert metric(url, "specdec_kv_pool_tokens") == 1024
+
+        def ask(p):
+            chunks = list(cl.completions.create(model=MODEL, prompt=p, max_tokens=96, temperature=0, stream=True,
+                                                logprobs=1, extra_body={"ignore_eos": True}))
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            return text, [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+
+        with ThreadPoolExecutor(16) as ex:
+            answers = list(ex.map(ask, PROMPTS))
+        assert metric(url, "specdec_num_preemptions_total") > 0  # else this test shows nothing
+        assert metric(url, "specdec_kv_pool_tokens_used") <= 1024
+        assert metric(url, "specdec_kv_cache_resident_bytes") > 0
+        for p, (text, pieces) in zip(PROMPTS, answers):
+            ref = plain_completion(plain_llm, p, 96, ignore_eos=True)
+            assert text == ref.text, p
+            assert pieces == [plain_llm.tokenizer.decode([t], skip_special_tokens=False) for t in ref.token_ids], p
+    finally:
+        stop_server(proc)

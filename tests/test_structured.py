@@ -160,10 +160,7 @@ def _assert_leaks(models, lltok):
 def test_control_verification_ignores_the_grammar(models, lltok, monkeypatch):
     """Negative control: the grammar steers the draft but verification (p) ignores it. The joint
     puts mass on outputs outside the language, and the exact test sees it."""
-    from specdec.engine import core
-
-    _strip_mask(monkeypatch, core)
-    monkeypatch.setattr(G.GrammarState, "commit", _lenient_commit)  # (else the matcher refuses the bug)
+    _control_verification_ignores_grammar(monkeypatch)  # (a lenient commit: else the matcher refuses)
     _assert_leaks(models, lltok)
 
 
@@ -171,20 +168,7 @@ def test_control_mask_on_acceptance_only(models, lltok, monkeypatch):
     """Negative control, the issue's: the mask on p for the acceptance test only, while q stays
     unmasked and the residual (and the bonus) are computed from the unmasked p. Tokens outside
     the language leak through the residual, and the exact test sees it."""
-    from specdec import rejection
-    from specdec.engine import core
-    from specdec.proposers import draft_model
-
-    saved = {}
-    _strip_mask(monkeypatch, core, keep=saved)
-    _strip_mask(monkeypatch, draft_model)
-    original_acceptance = rejection.acceptance_probs
-
-    def acceptance_with_mask(p, q, draft):  # p [G, k, V]: masked for this test only
-        m = saved["mask"].view(p.shape[0], -1, p.shape[-1])[:, : p.shape[1]]
-        return original_acceptance(p * m, q, draft)
-    monkeypatch.setattr(rejection, "acceptance_probs", acceptance_with_mask)
-    monkeypatch.setattr(G.GrammarState, "commit", _lenient_commit)
+    _control_mask_on_acceptance_only(monkeypatch)
     _assert_leaks(models, lltok)
 
 
@@ -197,15 +181,7 @@ def test_control_matcher_not_rolled_back(models, lltok, monkeypatch):
     """Negative control: the drafts walked for the masks stay consumed (no rollback). The
     matcher runs ahead of the committed tokens; the engine's next commit is refused by the
     matcher (an assertion, not a silent wrong distribution) or the joint is wrong."""
-    original = G.GrammarState.inputs
-
-    def no_rollback(self, drafts, last_only=False):
-        out = original(self, drafts, last_only)
-        if len(drafts):
-            self.matcher.try_consume_tokens(drafts.tolist())
-            self._masks.clear()
-        return out
-    monkeypatch.setattr(G.GrammarState, "inputs", no_rollback)
+    _control_matcher_not_rolled_back(monkeypatch)
     target, draft = models
     params = SETTINGS["plain"]
     want = target_joint_exact(target, PROMPT, params, mask_fn=_mask_fn(lltok))
@@ -229,32 +205,83 @@ def test_grammar_that_completes_finishes_with_stop(models, lltok):
 N, BATCH = 200_000, 4000
 
 
-@pytest.mark.parametrize("control", [pytest.param(None, marks=pytest.mark.slow), "verification_ignores_grammar"])
+def _control_verification_ignores_grammar(monkeypatch):
+    from specdec.engine import core
+
+    _strip_mask(monkeypatch, core)
+    monkeypatch.setattr(G.GrammarState, "commit", _lenient_commit)
+
+
+def _control_mask_on_acceptance_only(monkeypatch):
+    from specdec import rejection
+    from specdec.engine import core
+    from specdec.proposers import draft_model
+
+    saved = {}
+    _strip_mask(monkeypatch, core, keep=saved)
+    _strip_mask(monkeypatch, draft_model)
+    original_acceptance = rejection.acceptance_probs
+
+    def acceptance_with_mask(p, q, draft):
+        m = saved["mask"].view(p.shape[0], -1, p.shape[-1])[:, : p.shape[1]]
+        return original_acceptance(p * m, q, draft)
+    monkeypatch.setattr(rejection, "acceptance_probs", acceptance_with_mask)
+    monkeypatch.setattr(G.GrammarState, "commit", _lenient_commit)
+
+
+def _control_matcher_not_rolled_back(monkeypatch):
+    original = G.GrammarState.inputs
+
+    def no_rollback(self, drafts, last_only=False):
+        out = original(self, drafts, last_only)
+        if len(drafts):
+            self.matcher.try_consume_tokens(drafts.tolist())
+            self._masks.clear()
+        return out
+    monkeypatch.setattr(G.GrammarState, "inputs", no_rollback)
+
+
+CONTROLS = {"verification_ignores_grammar": _control_verification_ignores_grammar,
+            "mask_on_acceptance_only": _control_mask_on_acceptance_only,
+            "matcher_not_rolled_back": _control_matcher_not_rolled_back}
+
+
+@pytest.mark.parametrize("control", [pytest.param(None, marks=pytest.mark.slow), *CONTROLS])
 def test_statistical_with_grammar(models, lltok, control, monkeypatch):
     """The real loop (batched rows, caches, rollback, the matcher walked and rolled back every
     round), draft model at k = 3, T = 1 under the grammar: 200,000 samples of the first 3
-    tokens against the exact constrained joint, chi-square pass at p > 1e-3. Control: the
-    grammar ignored at verification, whose exact joint (enumerated) gives the noncentrality
-    lambda of the test at this N, asserted >= 400 (rejection at p < 1e-6 with probability
-    > 1 - 1e-9, tests/test_statistical.py), then rejected by sampling at p < 1e-6. The passing
-    run takes minutes (a matcher per row): `make test-slow`; the exact enumeration above checks
-    the same algebra in `make test`."""
-    from specdec.engine import core
+    tokens against the exact constrained joint, chi-square pass at p > 1e-3. Controls, the same
+    three as the enumeration's above (the grammar ignored at verification; the mask on p for the
+    acceptance test only; the matcher not rolled back): where the control's loop runs, its exact
+    joint (enumerated) gives the noncentrality lambda of the test at the control's N, asserted
+    >= 400 (rejection at p < 1e-6 with probability > 1 - 1e-9, tests/test_statistical.py), and
+    sampling then rejects it at p < 1e-6; a matcher that was not rolled back is instead refused
+    by the engine's own check (an AssertionError when it commits a token the matcher, run ahead,
+    no longer accepts), in the enumeration and in the sampled loop alike. The passing run takes
+    minutes (a matcher per row): `make test-slow`; the exact enumeration above checks the same
+    algebra in `make test`."""
     from specdec.tools.distribution import chi_square, noncentrality, sample_engine
 
     target, draft = models
     params = SETTINGS["plain"]
     want = target_joint_exact(target, PROMPT, params, mask_fn=_mask_fn(lltok))
     n = N
+
+    def engine(max_batch):
+        return Engine(target, None, DraftModelProposer(draft, V, 32), num_draft_tokens=3, max_batch=max_batch,
+                      max_seq_len=32, vocab_size=V, grammar_tokenizer=lltok)
     if control:
-        _strip_mask(monkeypatch, core)
-        monkeypatch.setattr(G.GrammarState, "commit", _lenient_commit)
-        alt = engine_joint_exact(_engine(target, DraftModelProposer(draft, V, 32), 3, lltok), PROMPT, params)
+        CONTROLS[control](monkeypatch)
         n = 20_000
+        try:
+            alt = engine_joint_exact(engine(8), PROMPT, params)
+        except AssertionError:
+            assert control == "matcher_not_rolled_back"
+            with pytest.raises(AssertionError):
+                sample_engine(engine(BATCH), PROMPT, params, n, BATCH, seed=11)
+            return
         lam = noncentrality(n, alt, want)
         assert lam >= 400, lam
-    engine = Engine(target, None, DraftModelProposer(draft, V, 32), num_draft_tokens=3, max_batch=BATCH,
-                    max_seq_len=32, vocab_size=V, grammar_tokenizer=lltok)
-    counts = sample_engine(engine, PROMPT, params, n, BATCH, seed=11)
+    counts = sample_engine(engine(BATCH), PROMPT, params, n, BATCH, seed=11)
     stat, dof, p = chi_square(counts, {k: v for k, v in want.items() if v > 0})
     assert (p < 1e-6) if control else (p > 1e-3), (stat, dof, p)

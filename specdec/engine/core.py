@@ -42,14 +42,16 @@ class Engine:
                  num_draft_tokens: int | str = 0, max_batch: int = 8, max_seq_len: int | None = None,
                  vocab_size: int | None = None, max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS,
                  k_cost=None, prefill_chunk: int | None = None, grammar_tokenizer=None,
-                 draft_tree: tuple[int, ...] | None = None):
+                 draft_tree: tuple[int, ...] | None = None, kv_pool_tokens: int | None = None):
         """num_draft_tokens: a fixed k, or "auto" for adaptive k in [0, max_draft_tokens]
         (specdec.engine.adaptive; k_cost optionally fixes its cost model). prefill_chunk: most
         prompt tokens fed per step (chunked prefill: a long prompt stalls the running rows for
         one chunk at a time); None feeds whole prompts. Build engines with
         specdec.loader.build_engine, which also checks the draft and caps the context.
         draft_tree: children per depth (specdec.engine.trees): the proposer drafts trees of the
-        round's k levels, verified in one forward (Proposer.propose_tree)."""
+        round's k levels, verified in one forward (Proposer.propose_tree). kv_pool_tokens: the
+        KV pool, in tokens, shared by all rows (at least the context; None: every row may hold a
+        whole context): admission, eviction and preemption below keep the rows' KV within it."""
         self.draft_tree = draft_tree
         self.model = model
         self.tokenizer = tokenizer
@@ -75,12 +77,95 @@ class Engine:
         self.row_tokens: list[list[int]] = [[]]
         self.active: list[Request] = []
         self._next_id = 0
+        self.kv_pool_tokens = None
+        self.set_kv_pool(kv_pool_tokens)
+        self.preempted: list[Request] = []  # waiting to resume, in admission order
+        self.preemptions = 0  # in all (a metric)
+
+    # ---- the KV pool -----------------------------------------------------------------------
+    # A row holds physical memory only for the slots it has written (specdec.runtime.kv_cache),
+    # so a request's KV is its own length. The pool is what all rows may hold at once, counted
+    # in tokens: each running request its tokens plus one verify block (the most a round
+    # writes past them), each free row the prefix it keeps for reuse. Admission needs room for
+    # the prompt; before every round the engine makes room for every running request's growth:
+    # first by evicting kept prefixes (least recently freed first), then by preempting the
+    # newest requests. A preempted request gives back its KV and waits; it resumes, before any
+    # new admission, when there is room again, and its KV is computed again from its tokens
+    # (recompute: the kernels give the bits decoding gave, so its output is unchanged).
+    def set_kv_pool(self, tokens: int | None) -> None:
+        if tokens is not None:
+            check_range("kv_cache_tokens", tokens, self.max_seq_len, None)
+        self.kv_pool_tokens = tokens
+
+    def _need(self, r: Request) -> int:
+        """Pool tokens a running request may hold after its next round."""
+        return min(len(r.tokens) + MAX_DRAFT_TOKENS + 1, self.max_seq_len)
+
+    def kv_tokens_used(self) -> int:
+        """Pool tokens held: the running requests' (a verify block each) and the free rows'."""
+        return sum(self._need(r) for r in self.active) + sum(len(self.row_tokens[i]) for i in self.free_rows)
+
+    def can_admit(self, n_prompt: int) -> bool:
+        """A free row, no preempted request waiting to resume, and room in the pool for a
+        prompt of n_prompt tokens next to the running requests (kept prefixes can be evicted)."""
+        if not self.free_rows or self.preempted:
+            return False
+        if self.kv_pool_tokens is None:
+            return True
+        need = min(n_prompt + MAX_DRAFT_TOKENS + 1, self.max_seq_len)
+        return sum(self._need(r) for r in self.active) + need <= self.kv_pool_tokens
+
+    def _fit_pool(self) -> None:
+        """Before a round: resume what fits, then make room for every running request's round."""
+        pool = self.kv_pool_tokens
+        if pool is None:
+            return
+        running = sum(self._need(r) for r in self.active)
+        while self.preempted and self.free_rows and running + self._need(self.preempted[0]) <= pool:
+            r = self.preempted.pop(0)
+            self._resume(r)
+            running += self._need(r)
+        kept = sum(len(self.row_tokens[i]) for i in self.free_rows)
+        for row in list(self.free_rows):  # least recently freed first
+            if running + kept <= pool:
+                break
+            if self.row_tokens[row]:
+                kept -= len(self.row_tokens[row])
+                self._evict(row)
+        while running > pool and len(self.active) > 1:
+            victim = max(self.active, key=lambda r: r.id)  # the newest (FCFS: the last in)
+            running -= self._need(victim)
+            self._preempt(victim)
+
+    def _evict(self, row: int) -> None:
+        """A free row forgets the prefix it kept, and its memory (target and draft) is given back."""
+        self.row_tokens[row] = []
+        self.cache.release(row)
+        if self.proposer is not None:
+            self.proposer.evict(row)
+
+    def _preempt(self, req: Request) -> None:
+        self.active.remove(req)
+        if self.proposer is not None:
+            self.proposer.release(req)
+        self.policy.release(req)
+        self.cache.set_length(req.row, 0)
+        self.free_rows.insert(0, req.row)
+        self._evict(req.row)
+        self.preempted.append(req)
+        self.preempted.sort(key=lambda r: r.id)
+        self.preemptions += 1
+
+    def _resume(self, req: Request) -> None:
+        """A preempted request back on a row: its KV is prefilled again from its tokens."""
+        self._take_row(req, req.tokens)
+        self.active.append(req)
 
     # ---- requests -------------------------------------------------------------------------
     def reserve(self, n_rows: int) -> None:
         """Make room for n_rows concurrent requests (buffers grow only while idle)."""
         n_rows = min(n_rows, self.max_batch)
-        if n_rows <= self.cache.batch_size or self.active:
+        if n_rows <= self.cache.batch_size or self.active or self.preempted:
             return
         self.cache = self.model.new_cache(n_rows, self.max_seq_len, headroom=MAX_DRAFT_TOKENS + 1)
         self.free_rows = list(range(n_rows))
@@ -103,13 +188,14 @@ class Engine:
             self.reserve(self.cache.batch_size + 1)
         if not self.free_rows:
             raise SpecdecError(f"too many concurrent requests; max_batch is {self.max_batch}")
+        if self.kv_pool_tokens is not None and not self.can_admit(len(prompt) + len(output_prefix)):
+            raise SpecdecError(f"no room in the KV pool ({self.kv_pool_tokens} tokens) for a prompt of "
+                               f"{len(prompt)} tokens now; admit it when Engine.can_admit says so")
         if rng is None:
             rng = (rejection.GumbelStream(params.seed) if params.stable
                    else rejection.TorchRng(params.seed, self.model.device))
         grammar = self.grammars.state(params) if params.constrained else None
-        row, reuse = self._pick_row(list(prompt) + list(output_prefix))
-        self.free_rows.remove(row)
-        req = Request(id=self._next_id, prompt=list(prompt), params=params, row=row, rng=rng,
+        req = Request(id=self._next_id, prompt=list(prompt), params=params, row=-1, rng=rng,
                       tokens=list(prompt), grammar=grammar,
                       logits_state=new_state(params, self.V, prompt, self.model.device, grammar),
                       detok=IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None)
@@ -118,18 +204,29 @@ class Engine:
             req.output.append(t)
             req.tokens.append(t)
             req.logits_state.commit(t)
+        req.cached_tokens = self._take_row(req, req.tokens)
+        self.active.append(req)
+        return req
+
+    def _take_row(self, req: Request, tokens: list[int]) -> int:
+        """Give req the free row sharing the longest prefix with tokens; the prefix it reuses."""
+        row, reuse = self._pick_row(tokens)
+        self.free_rows.remove(row)
+        req.row = row
         self.cache.set_length(row, reuse)
         self.row_tokens[row] = []
-        req.cached_tokens = reuse
         if self.proposer is not None:
             self.proposer.begin(req)
         self.policy.begin(req)
-        self.active.append(req)
-        return req
+        return reuse
 
     def abort(self, req: Request) -> None:
         """End a request now (finish_reason "abort" unless it had finished) and free its rows in
         the target cache and the proposer. A request no longer active is left as it is."""
+        if req in self.preempted:  # it holds no row
+            self.preempted.remove(req)
+            req.finish_reason = req.finish_reason or "abort"
+            return
         if req not in self.active:
             return
         if not req.finished:
@@ -175,13 +272,14 @@ class Engine:
                 self.hidden_to.share_prefix(req, donor, have)
 
     def abort_all(self) -> None:
-        for r in list(self.active):
+        for r in list(self.active) + list(self.preempted):
             self.abort(r)
 
     # ---- the round -------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> RoundResult:
         """One round for every active request."""
+        self._fit_pool()
         reqs = [r for r in self.active if not r.finished]
         if not reqs:
             return RoundResult([], 0, 0.0, 0.0)
@@ -457,7 +555,7 @@ class Engine:
     def run(self, on_event=None) -> None:
         """Step until every active request has finished; abandoned runs release their rows."""
         try:
-            while any(not r.finished for r in self.active):
+            while self.preempted or any(not r.finished for r in self.active):
                 self._emit(self.step(), on_event)
         finally:
             self.abort_all()
@@ -472,8 +570,8 @@ class Engine:
         i = 0
         self.reserve(len(prompts))
         try:
-            while i < len(prompts) or self.active:
-                while i < len(prompts) and self.free_rows:
+            while i < len(prompts) or self.active or self.preempted:
+                while i < len(prompts) and self.can_admit(len(prompts[i])):
                     done.append(self.add_request(prompts[i], plist[i]))
                     i += 1
                 self._emit(self.step(), on_event)

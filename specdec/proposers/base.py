@@ -77,6 +77,10 @@ class Proposer(Protocol):
 
     def release(self, req: Request) -> None: ...
 
+    def evict(self, row: int) -> None:
+        """Forget what row kept for prefix reuse and give its memory back (the KV pool)."""
+        ...
+
 
 class ProposerBase:
     """Defaults for the calls a simple proposer does not need."""
@@ -117,4 +121,7 @@ class ProposerBase:
         pass
 
     def release(self, req: Request) -> None:
+        pass
+
+    def evict(self, row: int) -> None:
         pass

@@ -30,6 +30,10 @@ class CompositeProposer(ProposerBase):
         for p in self.proposers:
             p.release(req)
 
+    def evict(self, row: int) -> None:
+        for p in self.proposers:
+            p.evict(row)
+
     def parts(self) -> list:
         return [q for p in self.proposers for q in p.parts()]
 

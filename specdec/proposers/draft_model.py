@@ -67,6 +67,10 @@ class DraftModelProposer(ProposerBase):
         self._kept[req.row] = req.tokens[: self.cache.lengths[req.row]]
         self.cache.set_length(req.row, 0)
 
+    def evict(self, row: int) -> None:
+        self._kept.pop(row, None)
+        self.cache.release(row)
+
     def peek(self, req, k: int) -> list[Candidate]:
         """[Candidate(name, k, key, catch-up)]: it can always draft k, after feeding the committed tokens
         it has no KV for (the whole prompt on its first round unless prefilled, 1-2 tokens in

@@ -1,18 +1,64 @@
 """Static KV buffers with per-row lengths; rollback is arithmetic on lengths.
 
-The buffers are preallocated for `capacity` positions per row: the context length plus head-room
+The buffers are laid out for `capacity` positions per row: the context length plus head-room
 for one verification block (k + 1 tokens), so that verify forwards never need to reallocate. The
 model writes keys/values at the positions it is given and attends to slots <= each query's
 position; it never touches `lengths`. The caller (engine or proposer) owns the lengths: it calls
 `advance` after tokens are known to belong to the history and `rollback` to drop rejected ones.
 Stale slots past a row's length are masked by position and overwritten by the next forward.
+
+On the CPU the buffers are *reserved, not committed* (the vAttention design: virtual memory for
+every row's whole context, physical pages on demand): an anonymous private mapping made with
+MAP_NORESERVE, whose pages the OS supplies, zeroed, the first time a forward writes them. A row
+therefore holds memory for the tokens it has actually written, not for the context; the kernels
+still see one contiguous row per request (so nothing in them changed, nor the batch-invariance
+that rests on them). `release` hands a row's pages back (madvise MADV_DONTNEED) when the engine
+evicts it from the KV pool (specdec.engine.core). Each (layer, row, head) region is padded to a
+whole number of pages, so that a release never touches a neighbour's slots.
 """
 
 from __future__ import annotations
 
+import math
+import mmap
+import sys
+
 import torch
 
 from specdec.errors import SpecdecError
+
+PAGE = mmap.PAGESIZE
+# MAP_NORESERVE: the mapping is not charged against the commit limit up front (Python's mmap
+# module exposes the constant from 3.12 on; 0x4000 is its value on Linux)
+_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
+
+
+def reserved_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[mmap.mmap, torch.Tensor]:
+    """(mapping, tensor of `shape` in it): zeros whose pages exist only once written."""
+    nbytes = max(math.prod(shape) * torch.empty(0, dtype=dtype).element_size(), PAGE)
+    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _NORESERVE)
+    return mm, torch.frombuffer(mm, dtype=dtype, count=math.prod(shape)).view(shape)
+
+
+def mapping_rss(address: int) -> int:
+    """Resident bytes of the mapping of this process that starts at `address` (from
+    /proc/self/smaps; 0 where it cannot be read): what a KV cache really holds."""
+    try:
+        with open("/proc/self/smaps") as f:
+            inside = False
+            for line in f:
+                head = line.split(" ", 1)[0]
+                if "-" in head and ":" not in head:
+                    lo = int(head.split("-")[0], 16)
+                    inside = lo == address
+                elif inside and line.startswith("Rss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+PAD_RELEASE = 64  # pad slots past a row's tokens in one forward from which their pages are given back
 
 
 def ragged_block(chunks: list[list[int]], starts: list[int], capacity: int):
@@ -76,6 +122,8 @@ def prefill(model, cache: "KVCache", reqs, budget: int | None = None, on_hidden=
         if on_hidden is not None:
             on_hidden(r, starts[b], out[1][b, : len(c)])
         cache.advance(r.row, len(c))
+        if tok.shape[1] - len(c) >= PAD_RELEASE:  # a short prompt padded to a long one's width:
+            cache.release(r.row, cache.lengths[r.row])  # its pads' pages are not its memory
     return todo
 
 
@@ -83,12 +131,48 @@ class KVCache:
     def __init__(self, n_layers: int, batch_size: int, n_kv_heads: int, head_dim: int,
                  max_seq_len: int, headroom: int = 33, dtype=torch.float32, device="cpu"):
         self.max_seq_len = max_seq_len  # the context limit a request may reach
-        self.capacity = max_seq_len + headroom  # slots actually allocated
-        shape = (n_layers, batch_size, n_kv_heads, self.capacity, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, Hkv, S, D]
-        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, Hkv, S, D]
+        self.capacity = max_seq_len + headroom  # slots a row may use
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        # slots per region, padded to whole pages (g slots make a page)
+        g = PAGE // math.gcd(PAGE, head_dim * itemsize)
+        self._slots = -(-self.capacity // g) * g
+        shape = (n_layers, batch_size, n_kv_heads, self._slots, head_dim)
+        self._maps: list[mmap.mmap] = []
+        if torch.device(device).type == "cpu":
+            (mk, k), (mv, v) = reserved_zeros(shape, dtype), reserved_zeros(shape, dtype)
+            self._maps = [mk, mv]
+        else:
+            k = torch.zeros(shape, dtype=dtype, device=device)
+            v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = k[..., : self.capacity, :]  # [L, B, Hkv, S, D] (S = capacity) views
+        self.v = v[..., : self.capacity, :]
+        self._region = self._slots * head_dim * itemsize  # bytes of one (layer, row, head) region
+        self._slot_bytes = head_dim * itemsize
         self.layers = list(zip(self.k.unbind(0), self.v.unbind(0)))  # per layer [B, Hkv, S, D] views
         self.lengths = [0] * batch_size  # tokens with valid KV, per row (host ints: no sync)
+
+    def release(self, row: int, keep: int = 0) -> None:
+        """Give back the memory of row's slots from `keep` on (whole pages; the row's lengths
+        are the caller's): the pages read as zeros afterwards and cost nothing until written
+        again. A no-op off the CPU."""
+        if not self._maps:
+            return
+        L, B, Hkv = self.k.shape[0], self.k.shape[1], self.k.shape[2]
+        start = -(-keep * self._slot_bytes // PAGE) * PAGE  # within a region: whole pages only
+        if start >= self._region:
+            return
+        for mm in self._maps:
+            for layer in range(L):
+                base = (layer * B + row) * Hkv * self._region
+                if start == 0:  # the row's heads are adjacent: one call per layer
+                    mm.madvise(mmap.MADV_DONTNEED, base, Hkv * self._region)
+                else:
+                    for h in range(Hkv):
+                        mm.madvise(mmap.MADV_DONTNEED, base + h * self._region + start, self._region - start)
+
+    def resident_bytes(self) -> int:
+        """Bytes of these buffers the OS really holds (0 off the CPU / off Linux)."""
+        return mapping_rss(self.k.data_ptr()) + mapping_rss(self.v.data_ptr()) if self._maps else 0
 
     @property
     def batch_size(self) -> int:

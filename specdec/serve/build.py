@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from fastapi import FastAPI
 
 from specdec.api import context_length
-from specdec.errors import check_range
 from specdec.loader import build_engine, load_models
 from specdec.serve.app import create_app
 from specdec.serve.metrics import ServerMetrics
@@ -37,10 +36,8 @@ def build_served(a, api_key: str | None, progress=None) -> Served:
                          a.max_model_len)
     ctx = context_length(models, a.max_model_len)  # above the model's own: an error, not a cap
     max_batch = a.max_batch
-    if a.kv_cache_tokens is not None:
-        check_range("kv_cache_tokens", a.kv_cache_tokens, ctx, None)
-        max_batch = a.kv_cache_tokens // ctx
     engine = build_engine(models, spec, max_model_len=ctx, max_batch=max_batch)
+    engine.set_kv_pool(a.kv_cache_tokens)  # rows hold their own length; the pool bounds them all
     engine.prefill_chunk = a.prefill_chunk
     name = a.served_model_name or a.model
     metrics = ServerMetrics(name)

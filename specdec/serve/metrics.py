@@ -1,7 +1,7 @@
 """Prometheus metrics of the server (prometheus-client), one registry per server.
 
 Fed by the scheduler on the engine thread: the load (running and waiting requests, KV rows and
-tokens held), latencies (time to first token, inter-token latency, end to end), token counters
+tokens held, the KV pool, its preemptions and the cache's resident memory), latencies (time to first token, inter-token latency, end to end), token counters
 (prompt, generated, prompt tokens served from the prefix cache) and speculation (rounds that
 drafted, draft tokens, accepted tokens, accepted per draft position, chosen k).
 """
@@ -21,6 +21,7 @@ class ServerMetrics:
         self.registry = r = CollectorRegistry()
         lab = {"labelnames": ["model_name"]}
         self._label = {"model_name": model_name}
+        self._preemptions = 0  # the engine's count already added to the counter
         self.running = Gauge("specdec_num_requests_running", "Requests in the running batch", registry=r, **lab)
         self.waiting = Gauge("specdec_num_requests_waiting", "Requests waiting for a row", registry=r, **lab)
         self.kv_rows_used = Gauge("specdec_kv_cache_rows_used", "KV cache rows held by requests", registry=r, **lab)
@@ -28,6 +29,15 @@ class ServerMetrics:
         self.kv_tokens = Gauge("specdec_kv_cache_tokens_used", "Tokens of KV held by running requests",
                                registry=r, **lab)
         self.kv_usage = Gauge("specdec_kv_cache_usage_ratio", "Fraction of KV cache rows in use", registry=r, **lab)
+        self.kv_pool = Gauge("specdec_kv_pool_tokens", "The KV pool in tokens (0: no pool)", registry=r, **lab)
+        self.kv_pool_used = Gauge("specdec_kv_pool_tokens_used", "Pool tokens held: running requests (with a "
+                                  "verify block each) and the prefixes free rows keep", registry=r, **lab)
+        self.kv_resident = Gauge("specdec_kv_cache_resident_bytes", "Memory the target's KV cache really holds "
+                                 "(read at scrape time)", registry=r, **lab)
+        self.preempted = Gauge("specdec_num_requests_preempted", "Requests preempted, waiting to resume",
+                               registry=r, **lab)
+        self.preemptions = Counter("specdec_num_preemptions", "Requests preempted by the KV pool (recomputed "
+                                   "when they resume)", registry=r, **lab)
         self.ttft = Histogram("specdec_time_to_first_token_seconds", "Time to first token",
                               buckets=LATENCY_BUCKETS, registry=r, **lab)
         self.itl = Histogram("specdec_inter_token_latency_seconds", "Time between output tokens",
@@ -62,6 +72,14 @@ class ServerMetrics:
         self.kv_rows.labels(**lab).set(eng.cache.batch_size)
         self.kv_tokens.labels(**lab).set(sum(eng.cache.lengths[r.row] for r in used))
         self.kv_usage.labels(**lab).set(len(used) / max(eng.cache.batch_size, 1))
+        self.kv_pool.labels(**lab).set(eng.kv_pool_tokens or 0)
+        self.kv_pool_used.labels(**lab).set(eng.kv_tokens_used())
+        self.kv_resident.labels(**lab).set_function(lambda: eng.cache.resident_bytes())
+        self.preempted.labels(**lab).set(len(eng.preempted))
+        new = eng.preemptions - self._preemptions
+        if new > 0:
+            self.preemptions.labels(**lab).inc(new)
+            self._preemptions = eng.preemptions
 
     def observe_admit(self, job) -> None:
         self.prompt_tokens.labels(**self._label).inc(len(job.prompt))

@@ -4,7 +4,8 @@ CPU kernels run ~15% slower called from a second thread than from the main one h
 
 Continuous batching: requests join and leave between rounds. A submitted job waits in a FCFS
 queue (bounded: a full queue refuses at once, the server answers 429) until the engine has a free
-row for it; every round serves every admitted request, and a long prompt is prefilled a chunk per
+row and room in its KV pool for it (a request the pool preempts waits inside the engine, its
+stream paused, and resumes before anything new is admitted); every round serves every admitted request, and a long prompt is prefilled a chunk per
 round (Engine.prefill_chunk) so the running rows never wait a whole prompt. An abort (client gone,
 timeout) frees the request's target and draft rows before the next round. A failure inside a
 round ends the requests of that round with an error and the loop goes on serving.
@@ -81,6 +82,8 @@ class Scheduler:
         self._live = threading.Event()
         self._thread: threading.Thread | None = None
         engine.reserve(engine.max_batch)
+        if metrics is not None:
+            metrics.observe_state(self)  # the gauges hold the engine's state from the start
 
     def run(self) -> None:
         """The loop, on the calling thread, until `request_stop`."""
@@ -128,10 +131,10 @@ class Scheduler:
     # ---- the engine thread ---------------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stop.is_set():
-            idle = not self.engine.active and not self._waiting
+            idle = not self.engine.active and not self.engine.preempted and not self._waiting
             self._drain(block=idle)
             self._admit()
-            if self.engine.active:
+            if self.engine.active or self.engine.preempted:
                 self._round()
             if self.metrics is not None:
                 self.metrics.observe_state(self)
@@ -171,7 +174,7 @@ class Scheduler:
                 self.metrics.observe_finish(job, "abort")
 
     def _admit(self) -> None:
-        while self._waiting and self.engine.free_rows:
+        while self._waiting and self.engine.can_admit(len(self._waiting[0].prompt)):
             job = self._waiting.popleft()
             self._unqueue()
             try:

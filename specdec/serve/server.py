@@ -39,7 +39,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens-cap", type=int, default=None,
                    help="largest max_tokens a request may ask for (default: the context)")
     p.add_argument("--kv-cache-tokens", type=int, default=None,
-                   help="KV memory in tokens: sets --max-batch to this / the context length")
+                   help="the KV pool in tokens, shared by all rows (at least the context): a request "
+                        "holds memory for its own length; when the pool is full new requests wait "
+                        "and the newest running ones are preempted and recomputed later (default: "
+                        "no pool, each row may hold a whole context)")
     replicas.add_replica_args(p)
 
 
@@ -50,6 +53,8 @@ def cmd_serve(a) -> int:
     check_range("prefill_chunk", a.prefill_chunk, 1, None)
     if a.max_tokens_cap is not None:
         check_range("max_tokens_cap", a.max_tokens_cap, 1, None)
+    if a.kv_cache_tokens is not None:  # (at least the context: checked once the model is read)
+        check_range("kv_cache_tokens", a.kv_cache_tokens, 2, None)
     if a.threads is not None:
         check_range("threads", a.threads, 1, None)
     if replicas.wanted(a):
@@ -67,7 +72,8 @@ def cmd_serve(a) -> int:
     sched = served.scheduler
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    print(f"specdec: serving {served.name!r} ({served.mode}, {served.max_batch} rows, context {served.context}) "
+    pool = "" if a.kv_cache_tokens is None else f", KV pool {a.kv_cache_tokens} tokens"
+    print(f"specdec: serving {served.name!r} ({served.mode}, {served.max_batch} rows{pool}, context {served.context}) "
           f"on http://{shown}:{port}/v1", flush=True)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     # uvicorn on a thread of its own (it installs no signal handlers there), the engine loop on
