@@ -170,6 +170,9 @@ class AdaptiveK:
         self._declined: dict[int, tuple[Choice, int]] = {}  # request id -> (the k = 1 round it was
         # priced out of, the catch-up tokens that round would feed first)
         self._quiet = 0  # rounds in a row that drafted nothing while some row could have
+        # round costs by (batch size, kmax, proposer), for the rows of one round: the same for
+        # every row that a named proposer would draft; forgotten whenever a cost is observed
+        self._costs: dict[tuple, list[float]] = {}
 
     def prefills_draft(self, batch_size: int) -> bool:
         """While speculation runs at this load (or before anything is known), a draft model's
@@ -218,6 +221,15 @@ class AdaptiveK:
         """cost(k) for k = 0..kmax (the base t_target(B, 1) is looked up once)."""
         if self.cost is not None:
             return [self.cost(batch_size, k) for k in range(kmax + 1)]
+        if source:
+            memo = self._costs.get((batch_size, kmax, source))
+            if memo is None:
+                memo = self._costs[batch_size, kmax, source] = self._compute_costs(batch_size, kmax, None, source)
+            return list(memo)
+        return self._compute_costs(batch_size, kmax, shares, source)
+
+    def _compute_costs(self, batch_size: int, kmax: int, shares: dict[str, float] | None,
+                       source: str | None) -> list[float]:
         B = batch_size
         t1 = self.target.estimate(B)  # a plain round
         t1 = 1.0 if t1 is None else t1  # (nothing measured yet)
@@ -382,12 +394,14 @@ class AdaptiveK:
         for counts in self.pool.values():
             counts.decay()
         self.target.observe(batch_size * width, seconds)
+        self._costs.clear()
 
     def observe_catch_up(self, tokens: int, seconds: float, source: str | None = None) -> None:
         """A proposing round that first fed `tokens` committed tokens (beyond the steady feed)
         took `seconds` more than drafting alone is estimated to: seconds per caught-up token."""
         if tokens > 0 and source is not None:
             per = max(seconds, 0.0) / tokens
+            self._costs.clear()
             old = self.catch_up.get(source)
             self.catch_up[source] = per if old is None else (1 - EMA) * old + EMA * min(per, 3 * old)
 
@@ -416,6 +430,7 @@ class AdaptiveK:
         """Seconds to draft k tokens for `rows` rows by `source` (no catch-up): k draft steps."""
         if k > 0:
             self.draft.setdefault(source, CostCurve(DRAFT_ROW_PRIOR_SLOPE)).observe(rows, seconds / k)
+            self._costs.clear()
 
 
 def k_policy(num_draft_tokens: int | str, max_draft_tokens: int, cost=None,
