@@ -127,3 +127,12 @@ def test_pool_bad_size_is_an_error(models):
     with pytest.raises(SpecdecError, match="no room in the KV pool"):
         engine.add_request([1] * (CTX - 20), SamplingParams(max_tokens=4))
     assert torch.is_tensor(engine.cache.k)
+
+
+def test_an_empty_cache_is_allowed():
+    """A cache with no rows (or no layers) holds nothing and maps nothing (specdec verify's audit
+    builds one)."""
+    for shape in ((2, 0, 2, 16), (0, 3, 2, 16)):
+        c = KVCache(*shape, max_seq_len=32)
+        assert c.k.numel() == 0 and c.resident_bytes() == 0
+        c.release(0) if shape[1] else None

@@ -138,7 +138,7 @@ class KVCache:
         self._slots = -(-self.capacity // g) * g
         shape = (n_layers, batch_size, n_kv_heads, self._slots, head_dim)
         self._maps: list[mmap.mmap] = []
-        if torch.device(device).type == "cpu":
+        if torch.device(device).type == "cpu" and math.prod(shape):  # (an empty cache: nothing to map)
             (mk, k), (mv, v) = reserved_zeros(shape, dtype), reserved_zeros(shape, dtype)
             self._maps = [mk, mv]
         else:
