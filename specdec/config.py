@@ -213,7 +213,8 @@ class SpeculativeConfig:
     ngram_min: int = 1
     ngram_max: int = 4
     draft_tree: str | tuple | None = None  # children per depth ("3,2,1" or (3, 2, 1)): the draft
-    # model drafts a tree of its top candidates, verified losslessly in one forward; None / "off":
+    # model drafts a tree of its top candidates, verified losslessly in one forward; "auto": each
+    # round's shape (a chain included) chosen from measured costs and acceptances; None / "off":
     # a chain. Depth = len(widths), cut to the round's k.
 
     def __post_init__(self):
@@ -233,7 +234,7 @@ class SpeculativeConfig:
         check_choice("draft_sampling", self.draft_sampling, DRAFT_SAMPLING)
         self.draft_tree = parse_draft_tree(self.draft_tree)
         if self.draft_tree is not None and self.proposer != "draft":
-            raise SpecdecError(f"draft_tree={','.join(map(str, self.draft_tree))} needs proposer='draft' (the "
+            raise SpecdecError(f"draft_tree={tree_text(self.draft_tree)} needs proposer='draft' (the "
                                f"draft model drafts the tree), not {self.proposer!r}; allowed: a draft model, "
                                "or draft_tree='off'", "draft_tree")
 
@@ -334,10 +335,17 @@ MAX_TREE_NODES = 32  # a tree's nodes fit the KV cache's headroom beyond the con
 MAX_TREE_WIDTH = 8
 
 
-def parse_draft_tree(value) -> tuple[int, ...] | None:
-    """Children per depth as the user wrote them: "3,2,1" or (3, 2, 1); None, "" or "off": no tree.
-    Each width in [1, MAX_TREE_WIDTH], nodes (3 + 3*2 + 3*2*1 = 15 for "3,2,1") at most MAX_TREE_NODES."""
-    allowed = (f"allowed: 'off' or children per depth such as '3,2,1' (each in [1, {MAX_TREE_WIDTH}], "
+def tree_text(tree) -> str:
+    """A draft tree as the user writes it: "auto" or "3,2,1"."""
+    return tree if isinstance(tree, str) else ",".join(map(str, tree))
+
+
+def parse_draft_tree(value) -> tuple[int, ...] | str | None:
+    """Children per depth as the user wrote them: "3,2,1" or (3, 2, 1); "auto": each round's shape
+    chosen from measured costs and acceptances (specdec.engine.tree_auto); None, "" or "off": no
+    tree. Each width in [1, MAX_TREE_WIDTH], nodes (3 + 3*2 + 3*2*1 = 15 for "3,2,1") at most
+    MAX_TREE_NODES."""
+    allowed = (f"allowed: 'off', 'auto' or children per depth such as '3,2,1' (each in [1, {MAX_TREE_WIDTH}], "
                f"at most {MAX_TREE_NODES} nodes in all)")
     if value is None:
         return None
@@ -345,6 +353,8 @@ def parse_draft_tree(value) -> tuple[int, ...] | None:
         v = value.strip().lower()
         if v in ("", "off", "none"):
             return None
+        if v == "auto":
+            return "auto"
         try:
             value = tuple(int(x) for x in v.split(","))
         except ValueError:

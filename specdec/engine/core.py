@@ -23,7 +23,8 @@ import torch
 from specdec import grammar, rejection, sampling
 from specdec.config import DEFAULT_MAX_DRAFT_TOKENS, MAX_DRAFT_TOKENS, SamplingParams
 from specdec.engine import trees
-from specdec.engine.adaptive import k_policy
+from specdec.engine.adaptive import STEADY_CATCH_UP, k_policy
+from specdec.engine.tree_auto import TreeAuto
 from specdec.errors import SpecdecError, check_range
 from specdec.logits_state import new_state, sampling_groups, stacked_inputs
 from specdec.proposers.base import Proposer
@@ -42,17 +43,19 @@ class Engine:
                  num_draft_tokens: int | str = 0, max_batch: int = 8, max_seq_len: int | None = None,
                  vocab_size: int | None = None, max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS,
                  k_cost=None, prefill_chunk: int | None = None, grammar_tokenizer=None,
-                 draft_tree: tuple[int, ...] | None = None, kv_pool_tokens: int | None = None):
+                 draft_tree: tuple[int, ...] | str | None = None, kv_pool_tokens: int | None = None):
         """num_draft_tokens: a fixed k, or "auto" for adaptive k in [0, max_draft_tokens]
         (specdec.engine.adaptive; k_cost optionally fixes its cost model). prefill_chunk: most
         prompt tokens fed per step (chunked prefill: a long prompt stalls the running rows for
         one chunk at a time); None feeds whole prompts. Build engines with
         specdec.loader.build_engine, which also checks the draft and caps the context.
         draft_tree: children per depth (specdec.engine.trees): the proposer drafts trees of the
-        round's k levels, verified in one forward (Proposer.propose_tree). kv_pool_tokens: the
+        round's k levels, verified in one forward (Proposer.propose_tree); "auto": each round's
+        shape chosen from measured costs and acceptances (specdec.engine.tree_auto). kv_pool_tokens: the
         KV pool, in tokens, shared by all rows (at least the context; None: every row may hold a
         whole context): admission, eviction and preemption below keep the rows' KV within it."""
         self.draft_tree = draft_tree
+        self.tree_auto = TreeAuto() if draft_tree == "auto" else None
         self.model = model
         self.tokenizer = tokenizer
         self.proposer = proposer
@@ -291,6 +294,8 @@ class Engine:
         prop, t_draft = self._propose(reqs, choices)
         logits, hidden, t_target = self._score(reqs, prop)
         out, n_emit, logprobs, paths = self._verify(reqs, logits, prop)
+        if self.tree_auto is not None:
+            self._observe_tree(reqs, prop, n_emit, paths)
         rows = self._commit(reqs, choices, prop, out, n_emit, logprobs, hidden, t_draft, t_target, t0, paths)
         for r in reqs:
             if r.finished:
@@ -365,13 +370,16 @@ class Engine:
         if self.proposer is None or max(ks) == 0:
             return Proposal(tokens=torch.zeros(B, 0, dtype=torch.long, device=dev),
                             num_draft=torch.zeros(B, dtype=torch.long, device=dev), q=None), 0.0
+        widths = self.draft_tree if self.tree_auto is None else self.tree_auto.choose(ks)
         t0 = time.perf_counter()
-        if self.draft_tree is not None:
-            prop = self.proposer.propose_tree(reqs, [trees.shape_for(self.draft_tree, k, r.params)
+        if widths is not None and (self.tree_auto is None or max(widths) > 1):
+            prop = self.proposer.propose_tree(reqs, [trees.shape_for(widths, k, r.params)
                                                      for k, r in zip(ks, reqs)])
         else:
             prop = self.proposer.propose(reqs, ks, only=[c.source for c in choices])
         t_draft = time.perf_counter() - t0
+        if self.tree_auto is not None and prop.catch_up <= STEADY_CATCH_UP:  # (a catch-up is not drafting)
+            self.tree_auto.observe_draft(widths, sum(1 for k in ks if k), t_draft)
         if prop.source is None:
             prop.source = [self.proposer.name] * B
         # The first draft a row's grammar rejects ends its drafts (verification would reject it:
@@ -406,6 +414,8 @@ class Engine:
         logits, hidden = out if want_hidden else (out, None)
         t_target = time.perf_counter() - t0
         self.policy.observe_target(B, k + 1, t_target)
+        if self.tree_auto is not None:
+            self.tree_auto.observe_target(B * (k + 1), t_target)
         return logits[..., : self.V], hidden, t_target
 
     def _verify(self, reqs: list[Request], logits: torch.Tensor, prop: Proposal):
@@ -454,6 +464,12 @@ class Engine:
                     lps[b] = (chosen[g].tolist(), top.values[g].tolist() if top else None,
                               top.indices[g].tolist() if top else None)
         return out, n_emit, lps, paths
+
+    def _observe_tree(self, reqs, prop: Proposal, n_emit: torch.Tensor, paths: dict) -> None:
+        nd, ne = prop.num_draft.tolist(), n_emit.tolist()
+        self.tree_auto.observe_rows([
+            (prop.parents[b, : nd[b]].tolist(), nd[b], paths[b], None) if b in paths
+            else (None, nd[b], None, min(ne[b] - 1, nd[b])) for b in range(len(reqs))])
 
     @staticmethod
     def _token_logprobs(tokens: list[int], lp) -> list[TokenLogprob]:

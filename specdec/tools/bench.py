@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.config import SamplingParams, SpeculativeConfig
+from specdec.config import SamplingParams, SpeculativeConfig, tree_text
 from specdec.loader import Models, build_engine
 from specdec.metrics import SpecStats
 
@@ -125,7 +125,7 @@ def build_configs(models: Models, s: BenchSettings, hf_paths: tuple | None = Non
         spec = SpeculativeConfig(draft=models.draft_name, num_draft_tokens=k, max_draft_tokens=s.max_draft_tokens,
                                  draft_sampling=s.draft_sampling, proposer=s.proposer,
                                  head=s.head, ngram_min=s.ngram_min, ngram_max=s.ngram_max, draft_tree=s.draft_tree)
-        name = s.proposer if s.draft_tree is None else f"{s.proposer} tree {','.join(map(str, s.draft_tree))}"
+        name = s.proposer if s.draft_tree is None else f"{s.proposer} tree {tree_text(s.draft_tree)}"
         configs.append(Ours(f"{name} k={k}", build_engine(models, spec, s.max_seq_len), k, s.proposer))
     if hf_paths is not None:
         target = load_transformers(hf_paths[0])
