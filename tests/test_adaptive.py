@@ -443,3 +443,25 @@ def test_one_slow_measurement_does_not_price_drafting_out_for_good():
         pol.observe_round(r, c.k, c.k, c.source)
     assert ks[:EXPLORE_EVERY - 1] == [0] * (EXPLORE_EVERY - 1)  # priced out at first
     assert max(ks[-EXPLORE_EVERY:]) >= 4 and ks[-1] >= 4  # explored, measured, climbed
+
+
+def test_exploration_under_load_is_proportionally_rarer():
+    """8 rows priced out of drafting (a wide verify costs much more): exploring makes every row
+    of the forward 2 tokens wide, so it comes every EXPLORE_EVERY x 8 plain rounds, not every
+    EXPLORE_EVERY (which cost ~3% of a loaded server's rounds: one in 32 nearly twice as wide)."""
+    from specdec.engine.adaptive import EXPLORE_EVERY
+
+    pol = AdaptiveK(8)
+    rows = [_Req(i) for i in range(8)]
+    for r in rows:
+        pol.begin(r)
+        pol.observe_round(r, 1, 0, "draft")  # drafts rejected: drafting does not pay
+    pol.observe_target(8, 1, 1.0)
+    pol.observe_target(8, 2, 2.0)  # compute-bound: twice the tokens, twice the time
+    pol.observe_draft_cost(1, 0.3, "draft", rows=8)
+    explored = []
+    for i in range(EXPLORE_EVERY * 8 + 1):
+        cs = pol.settle(rows, [pol.choose_among(r, 8, 8, [Candidate("draft", 8)]) for r in rows], 8)
+        if any(c.k for c in cs):
+            explored.append(i)
+    assert explored == [EXPLORE_EVERY * 8 - 1], explored

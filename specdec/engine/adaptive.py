@@ -64,7 +64,7 @@ CATCH_UP_PRIOR_C = 0.05  # a draft model's cost per caught-up (prefilled) token,
 STEADY_CATCH_UP = 2  # tokens a draft model feeds every round anyway (last accepted + bonus)
 CATCH_UP_HORIZON = 32  # a catch-up is spread over at most this many of the next tokens
 VERIFY_PRIOR_SLOPE = 0.05  # target cost per extra verified token, same units, until measured
-EXPLORE_EVERY = 32  # plain rounds in a row before a priced-out proposer drafts 1 token again
+EXPLORE_EVERY = 32  # plain rounds in a row (per row of the batch) before a priced-out proposer drafts 1 token again
 EXPLORE_CATCH_UP = 64  # most catch-up tokens (all rows together) an exploring round may feed
 DRAFT_ROW_PRIOR_SLOPE = 0.3  # a draft step's cost per extra row, as a fraction, until measured
 
@@ -306,14 +306,18 @@ class AdaptiveK:
         return settled
 
     def _explore(self, reqs: list, choices: list[Choice]) -> list[Choice]:
-        """Every EXPLORE_EVERY-th round in a row that drafted nothing while some row could
-        have, those rows draft one token, fewest catch-up tokens first, as long as their
+        """Every (EXPLORE_EVERY x batch size)-th round in a row that drafted nothing while some
+        row could have, those rows draft one token, fewest catch-up tokens first, as long as their
         catch-ups add up to at most EXPLORE_CATCH_UP tokens (a draft model that must first feed
         a prompt, or a batch of rows each behind by a few dozen plain rounds, is not explored:
         under load that catch-up cost more than exploring could win). A cost is measured only at widths that are chosen,
         so one slow measurement (a cold first round, another process on the core) would
         otherwise price a width out for good; a k = 1 round costs little and measures the
-        narrowest drafting width again, from which the choice climbs if it pays."""
+        narrowest drafting width again, from which the choice climbs if it pays. It costs
+        little alone, not in a batch: one row at k = 1 makes every row of the verify forward 2
+        tokens wide (a compute-bound forward over twice the tokens at 16 rows on AVX2), so
+        under load it is tried proportionally less often (a plain round of B rows measures
+        the width that a B / 2-row round at k = 1 verifies anyway)."""
         if any(c.k for c in choices):
             self._quiet = 0
             return choices
@@ -321,7 +325,7 @@ class AdaptiveK:
         if not declined:
             return choices
         self._quiet += 1
-        if self._quiet < EXPLORE_EVERY:
+        if self._quiet < EXPLORE_EVERY * len(reqs):
             return choices
         self._quiet = 0
         out, budget = list(choices), EXPLORE_CATCH_UP
