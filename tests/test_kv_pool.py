@@ -3,7 +3,7 @@ pool sized in tokens is kept by admission, eviction of kept prefixes and preempt
 never by a crash or a truncation.
 
 - The cache's buffers are reserved, not committed: resident memory follows the tokens written
-  (read from /proc/self/smaps), and `release` hands pages back without touching other rows.
+  (mincore(2)'s page map), and `release` hands pages back without touching other rows.
 - An engine with a pool far smaller than rows x context runs more requests than fit at once;
   it preempts (asserted: the test is void if nothing was preempted) and every output equals the
   output that request gets alone without a pool, greedy and seeded sampling, with a draft model
@@ -20,6 +20,7 @@ from specdec.config import SamplingParams
 from specdec.engine import Engine
 from specdec.errors import SpecdecError
 from specdec.proposers import DraftModelProposer
+from specdec.runtime import kv_cache
 from specdec.runtime.kv_cache import PAGE, KVCache
 
 V, CTX = 64, 128
@@ -36,7 +37,7 @@ def _per_token(c: KVCache) -> int:
     return 2 * L * H * D * c.k.element_size()
 
 
-@pytest.mark.skipif(not open("/proc/self/smaps").readline(), reason="needs /proc/self/smaps (Linux)")
+@pytest.mark.skipif(kv_cache._mincore is None, reason="needs mincore(2) (Linux)")
 def test_cache_memory_follows_the_tokens_written():
     c = KVCache(4, 8, 2, 64, 4096, headroom=33)
     assert c.resident_bytes() == 0  # 8 rows x 4,129 slots reserved, none committed

@@ -19,10 +19,12 @@ whole number of pages, so that a release never touches a neighbour's slots.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
 import sys
 
+import numpy as np
 import torch
 
 from specdec.errors import SpecdecError
@@ -40,22 +42,30 @@ def reserved_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[mmap.mma
     return mm, torch.frombuffer(mm, dtype=dtype, count=math.prod(shape)).view(shape)
 
 
-def mapping_rss(address: int) -> int:
-    """Resident bytes of the mapping of this process that starts at `address` (from
-    /proc/self/smaps; 0 where it cannot be read): what a KV cache really holds."""
+def resident(address: int, nbytes: int) -> int:
+    """Bytes of [address, address + nbytes) (page-aligned) the OS really holds: mincore(2)'s
+    page map (0 where it cannot be asked). Exact for this range, unlike /proc's per-mapping Rss,
+    which the kernel reports for merged neighbouring mappings together."""
+    pages = -(-nbytes // PAGE)
+    if _mincore is None or not pages:
+        return 0
+    vec = (ctypes.c_ubyte * pages)()
+    if _mincore(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), vec) != 0:
+        return 0
+    return int(np.count_nonzero(np.frombuffer(vec, dtype=np.uint8) & 1)) * PAGE
+
+
+def _libc_mincore():
     try:
-        with open("/proc/self/smaps") as f:
-            inside = False
-            for line in f:
-                head = line.split(" ", 1)[0]
-                if "-" in head and ":" not in head:
-                    lo = int(head.split("-")[0], 16)
-                    inside = lo == address
-                elif inside and line.startswith("Rss:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+        fn = ctypes.CDLL(None, use_errno=True).mincore
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_mincore = _libc_mincore()
 
 
 PAD_RELEASE = 64  # pad slots past a row's tokens in one forward from which their pages are given back
@@ -171,8 +181,8 @@ class KVCache:
                         mm.madvise(mmap.MADV_DONTNEED, base + h * self._region + start, self._region - start)
 
     def resident_bytes(self) -> int:
-        """Bytes of these buffers the OS really holds (0 off the CPU / off Linux)."""
-        return mapping_rss(self.k.data_ptr()) + mapping_rss(self.v.data_ptr()) if self._maps else 0
+        """Bytes of these buffers the OS really holds (0 off the CPU / where mincore is missing)."""
+        return sum(resident(t.data_ptr(), len(mm)) for t, mm in zip((self.k, self.v), self._maps))
 
     @property
     def batch_size(self) -> int:
