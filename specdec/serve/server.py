@@ -53,8 +53,6 @@ def cmd_serve(a) -> int:
     check_range("prefill_chunk", a.prefill_chunk, 1, None)
     if a.max_tokens_cap is not None:
         check_range("max_tokens_cap", a.max_tokens_cap, 1, None)
-    if a.kv_cache_tokens is not None:  # (at least the context: checked once the model is read)
-        check_range("kv_cache_tokens", a.kv_cache_tokens, 2, None)
     if a.threads is not None:
         check_range("threads", a.threads, 1, None)
     if replicas.wanted(a):
