@@ -104,9 +104,12 @@ class Engine:
         """Pool tokens a running request may hold after its next round."""
         return min(len(r.tokens) + MAX_DRAFT_TOKENS + 1, self.max_seq_len)
 
+    def _running_need(self) -> int:
+        return sum(self._need(r) for r in self.active)
+
     def kv_tokens_used(self) -> int:
         """Pool tokens held: the running requests' (a verify block each) and the free rows'."""
-        return sum(self._need(r) for r in self.active) + sum(len(self.row_tokens[i]) for i in self.free_rows)
+        return self._running_need() + sum(len(self.row_tokens[i]) for i in self.free_rows)
 
     def can_admit(self, n_prompt: int) -> bool:
         """A free row, no preempted request waiting to resume, and room in the pool for a
@@ -116,14 +119,14 @@ class Engine:
         if self.kv_pool_tokens is None:
             return True
         need = min(n_prompt + MAX_DRAFT_TOKENS + 1, self.max_seq_len)
-        return sum(self._need(r) for r in self.active) + need <= self.kv_pool_tokens
+        return self._running_need() + need <= self.kv_pool_tokens
 
     def _fit_pool(self) -> None:
         """Before a round: resume what fits, then make room for every running request's round."""
         pool = self.kv_pool_tokens
         if pool is None:
             return
-        running = sum(self._need(r) for r in self.active)
+        running = self._running_need()
         while self.preempted and self.free_rows and running + self._need(self.preempted[0]) <= pool:
             r = self.preempted.pop(0)
             self._resume(r)

@@ -32,7 +32,7 @@ import torch
 
 from specdec.config import MAX_TREE_NODES
 from specdec.engine.estimates import DECAY, PRIOR_STRENGTH, Acceptance, CostCurve
-from specdec.tree import children
+from specdec.tree import children, depths
 
 PRIOR_ALPHA = 0.6  # a first child's acceptance before anything is seen (as adaptive k's)
 BETA_PRIOR = 0.25  # a later sibling's, given the earlier ones were rejected
@@ -155,7 +155,8 @@ class TreeAuto:
                 self._observe_tree(parents, path)
 
     def _observe_tree(self, parents: list[int], path: list[int]) -> None:
-        kids = children_of(parents)
+        pt = torch.tensor(parents, dtype=torch.long)
+        kids = children(pt)
         node, lead, leading = -1, 0, True  # node -1: the root
         for j in path + [None]:
             sibs = kids[node + 1]
@@ -171,15 +172,5 @@ class TreeAuto:
             if j is None:
                 break
             node = j
-        self.first.observe(_depth(parents), lead)
+        self.first.observe(int(depths(pt).max()), lead)
 
-
-def children_of(parents: list[int]) -> list[list[int]]:
-    return children(torch.tensor(parents, dtype=torch.long))
-
-
-def _depth(parents: list[int]) -> int:
-    depth = [0] * len(parents)
-    for j, u in enumerate(parents):
-        depth[j] = 1 if u < 0 else depth[u] + 1
-    return max(depth, default=0)

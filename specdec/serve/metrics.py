@@ -22,6 +22,7 @@ class ServerMetrics:
         lab = {"labelnames": ["model_name"]}
         self._label = {"model_name": model_name}
         self._preemptions = 0  # the engine's count already added to the counter
+        self._resident_set = False
         self.running = Gauge("specdec_num_requests_running", "Requests in the running batch", registry=r, **lab)
         self.waiting = Gauge("specdec_num_requests_waiting", "Requests waiting for a row", registry=r, **lab)
         self.kv_rows_used = Gauge("specdec_kv_cache_rows_used", "KV cache rows held by requests", registry=r, **lab)
@@ -64,6 +65,9 @@ class ServerMetrics:
 
     def observe_state(self, sched) -> None:
         eng = sched.engine
+        if not self._resident_set:  # read at scrape time (the engine's cache may be replaced)
+            self.kv_resident.labels(**self._label).set_function(lambda: eng.cache.resident_bytes())
+            self._resident_set = True
         used = eng.active
         lab = self._label
         self.running.labels(**lab).set(len(used))
@@ -74,7 +78,6 @@ class ServerMetrics:
         self.kv_usage.labels(**lab).set(len(used) / max(eng.cache.batch_size, 1))
         self.kv_pool.labels(**lab).set(eng.kv_pool_tokens or 0)
         self.kv_pool_used.labels(**lab).set(eng.kv_tokens_used())
-        self.kv_resident.labels(**lab).set_function(lambda: eng.cache.resident_bytes())
         self.preempted.labels(**lab).set(len(eng.preempted))
         new = eng.preemptions - self._preemptions
         if new > 0:
