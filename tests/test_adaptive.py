@@ -410,6 +410,10 @@ def test_draft_prompt_prefilled_while_speculation_runs_at_that_load():
     for _ in range(30):
         pol.settle(rows, [Choice(0)] * 8, 8)
     assert not pol.prefills_draft(8) and pol.prefills_draft(1)
+    # an unseen size is judged by the nearest lighter one seen: above 8, plain; below, untried
+    assert not pol.prefills_draft(12) and pol.prefills_draft(4)
+    pol.drafting[4] = 1.0  # as if drafting had won at 4
+    assert pol.prefills_draft(4) and pol.prefills_draft(6) and not pol.prefills_draft(12)
     for _ in range(30):
         pol.settle(rows, [Choice(3, "draft", "draft")] * 8, 8)  # (the pool's prior alpha: 0.6)
     assert pol.prefills_draft(8) == any(c.k for c in pol.settle(rows, [Choice(3, "draft", "draft")] * 8, 8))

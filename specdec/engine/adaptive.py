@@ -178,8 +178,16 @@ class AdaptiveK:
         """While speculation runs at this load (or before anything is known), a draft model's
         prompt is prompt processing, prefilled with the target's: priced as catch-up instead,
         a prompt of a few hundred tokens would keep an untried draft model from ever starting.
-        Where the batch has settled on plain rounds, it is left to catch-up."""
-        return self.drafting.get(batch_size, 1.0) >= self.SPECULATING
+        Where the batch has settled on plain rounds, it is left to catch-up. A batch size not
+        seen yet is judged by the nearest lighter one seen: speculation pays less as the batch
+        grows, so a load above one that settled on plain rounds does not prefill (a server
+        whose clients ramp up would otherwise prefill every new size's first prompts for
+        nothing)."""
+        share = self.drafting.get(batch_size)
+        if share is None:
+            lighter = [b for b in self.drafting if b < batch_size]
+            share = self.drafting[max(lighter)] if lighter else 1.0
+        return share >= self.SPECULATING
 
     def begin(self, req) -> None:
         self.state[req.id] = {}
