@@ -276,10 +276,15 @@ def main():
             for srv in servers:
                 if srv.proc is not None:
                     srv.__exit__(None, None, None)
+    failed = {}
     for name in [n for n in names if n not in ours]:  # anchors one at a time
-        with makers[name](name, free_port()) as srv:
-            asyncio.run(level(srv.url, srv.model_id, prompts[:2], 1, 2, 8, False))  # warm-up
-            results[name] = [sweep_level(srv, name, c) for c in a.levels]
+        try:  # an anchor that fails is reported, and the others' results are kept
+            with makers[name](name, free_port()) as srv:
+                asyncio.run(level(srv.url, srv.model_id, prompts[:2], 1, 2, 8, False))  # warm-up
+                results[name] = [sweep_level(srv, name, c) for c in a.levels]
+        except (RuntimeError, OSError, openai.OpenAIError) as e:
+            failed[name] = f"{type(e).__name__}: {e}"
+            print(f"{name:12s} failed: {failed[name]} (its log: /tmp/bench_serve_{name}.log)", flush=True)
     print_table("server", a.levels, results)
     ratios = {}
     if "spec" in results and "plain" in results:
@@ -307,7 +312,7 @@ def main():
         print(f"plot: {a.plot}")
     print(json.dumps({"bench": "serve", "cpu": cpu_name(), "model": a.model, "draft": a.draft, "k": a.k,
                       "threads": a.threads, "max_tokens": a.max_tokens, "results": results,
-                      "spec_over_plain": ratios, "prefix_reuse": prefix}))
+                      "spec_over_plain": ratios, "prefix_reuse": prefix, "failed": failed}))
 
 
 if __name__ == "__main__":

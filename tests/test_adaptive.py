@@ -412,6 +412,8 @@ def test_draft_prompt_prefilled_while_speculation_runs_at_that_load():
     assert not pol.prefills_draft(8) and pol.prefills_draft(1)
     # an unseen size is judged by the nearest lighter one seen: above 8, plain; below, untried
     assert not pol.prefills_draft(12) and pol.prefills_draft(4)
+    pol.settle(rows, [Choice(0)] * 8, 12)  # its first round starts from 8's share, not from "drafting"
+    assert not pol.prefills_draft(12)
     pol.drafting[4] = 1.0  # as if drafting had won at 4
     assert pol.prefills_draft(4) and pol.prefills_draft(6) and not pol.prefills_draft(12)
     for _ in range(30):

@@ -183,11 +183,16 @@ class AdaptiveK:
         grows, so a load above one that settled on plain rounds does not prefill (a server
         whose clients ramp up would otherwise prefill every new size's first prompts for
         nothing)."""
+        return self._drafting_share(batch_size) >= self.SPECULATING
+
+    def _drafting_share(self, batch_size: int) -> float:
+        """The decayed share of rounds that drafted at this batch size; for one not seen yet,
+        the nearest lighter size's (1.0 where none is known: speculation is tried)."""
         share = self.drafting.get(batch_size)
         if share is None:
             lighter = [b for b in self.drafting if b < batch_size]
             share = self.drafting[max(lighter)] if lighter else 1.0
-        return share >= self.SPECULATING
+        return share
 
     def begin(self, req) -> None:
         self.state[req.id] = {}
@@ -309,7 +314,7 @@ class AdaptiveK:
         kmax = max(c.k for c in choices)
         settled = self._settle(reqs, choices, batch_size, kmax) if kmax and len(choices) > 1 else choices
         settled = self._explore(reqs, settled)
-        share = self.drafting.get(batch_size, 1.0)
+        share = self._drafting_share(batch_size)  # (a new size starts from the lighter one's)
         self.drafting[batch_size] = DECAY * share + (1 - DECAY) * float(any(c.k for c in settled))
         return settled
 
