@@ -2,7 +2,9 @@
 
 Failure modes, each one line on stderr and no traceback (SPECDEC_DEBUG=1 adds it):
   - bad input (a SpecdecError or an argparse error): names the value and the allowed range, exit 2;
-  - Ctrl-C at any point, start-up included (torch is imported inside `main`'s guard): exit 130;
+  - Ctrl-C at any point, start-up included (torch is imported inside `main`'s guard): exit 130,
+    also where an imported library's bare `except:` swallowed the KeyboardInterrupt (`main`'s
+    SIGINT handler records it, and the command is not started or its exit is 130);
   - a closed stdout (`specdec generate ... | head -c 5`): quiet, exit 141 (128 + SIGPIPE);
   - anything else: names the exception, exit 1.
 Numbers are parsed leniently here (`_int`, `_float` keep what they cannot parse) so that the
@@ -15,7 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 import time
 
 from specdec.config import DEFAULT_MAX_MODEL_LEN, DRAFT_SAMPLING, DTYPES
@@ -24,6 +28,19 @@ from specdec.errors import lenient_float as _float
 from specdec.errors import lenient_int as _int
 
 EXIT_USAGE, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 2, 130, 141
+_interrupted = False  # a SIGINT arrived (set by main's handler, even if its exception was swallowed)
+
+
+def _on_sigint(signum, frame):
+    global _interrupted
+    _interrupted = True
+    raise KeyboardInterrupt
+
+
+def _check_interrupt() -> None:
+    """Raise the Ctrl-C that start-up's imports may have swallowed."""
+    if _interrupted:
+        raise KeyboardInterrupt
 
 
 class _Parser(argparse.ArgumentParser):
@@ -247,8 +264,9 @@ def cmd_models(a) -> int:
 
 
 def _dispatch(a) -> int:
-    from specdec.tools import commands
+    from specdec.tools import commands  # (torch: most of start-up)
 
+    _check_interrupt()
     if a.cmd == "models":
         return cmd_models(a)
     if a.cmd == "train-head":
@@ -261,6 +279,7 @@ def _dispatch(a) -> int:
     if a.cmd == "serve":
         from specdec.serve.server import cmd_serve
 
+        _check_interrupt()
         return cmd_serve(a)
     return {"generate": cmd_generate, "verify": commands.cmd_verify, "bench": commands.cmd_bench}[a.cmd](a)
 
@@ -284,9 +303,23 @@ def _silence_stdout() -> None:
 
 def main(argv=None) -> int:
     debug = os.environ.get("SPECDEC_DEBUG", "") not in ("", "0")
+    global _interrupted
+    _interrupted = False
+    own = threading.current_thread() is threading.main_thread()  # (signal handlers: main thread only)
+    previous = signal.signal(signal.SIGINT, _on_sigint) if own else None
+    try:
+        return _main(argv, debug)
+    finally:
+        if own and previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _main(argv, debug: bool) -> int:
     try:
         a = build_parser().parse_args(argv)
-        return _dispatch(a)
+        code = _dispatch(a)
+        _check_interrupt()  # swallowed after the last check: the run did not end as asked
+        return code
     except SpecdecError as e:
         if debug:
             import traceback
