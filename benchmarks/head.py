@@ -6,6 +6,8 @@ speculative output must equal plain token for token (`greedy_mismatches`).
 
     .venv/bin/python benchmarks/head.py --model smollm2-135m --head DIR --prompts chat
     .venv/bin/python benchmarks/head.py --model qwen2.5-coder-1.5b --head DIR --prompts humaneval --draft
+    .venv/bin/python benchmarks/head.py --baseline-head DIR ...   # another head beside it, same prompts
+    .venv/bin/python benchmarks/head.py --step-ab ...              # first: one draft step, fused vs torch
 
 Held out: the chat set and HumanEval are never in a head's training data (specdec.head.data).
 """
@@ -14,15 +16,52 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
 from serve import cpu_name  # (benchmarks/serve.py: the CPU named in every log)
 
 from specdec.config import SamplingParams, SpeculativeConfig
+from specdec.head import load_head, shipped_head
+from specdec.head.model import HeadCache
 from specdec.loader import build_engine, load_models
 from specdec.tools import bench
 from specdec.tools.prompts import load_prompts
+
+
+def step_ab(models, head_dir: str | None, model: str, reps: int = 300) -> dict:
+    """One draft step (B = 1, one pair after a 256-pair prefill, as decoding drafts) on the
+    prepared head: the fused layer path against the torch ops, interleaved; median ms and their
+    ratio to one plain target forward (B = 1, T = 1) timed in the same loop."""
+    target = models.target
+    head = load_head(head_dir or shipped_head(model), target).prepare()
+    d = head.cfg.dim
+    g = torch.Generator().manual_seed(0)
+    feats, toks = torch.randn(1, 256, d, generator=g), torch.randint(0, 1000, (1, 256), generator=g)
+    caches = {n: HeadCache(1, head.cfg.n_kv_heads, head.cfg.head_dim, 512) for n in ("fused", "torch")}
+    fns = {"fused": head._step_layer, "torch": head._step_torch}
+    tcache = target.new_cache(1, 512)
+    with torch.inference_mode():
+        target.forward(toks, torch.arange(256).view(1, -1), tcache, logits_at=torch.zeros(1, 0, dtype=torch.long))
+        for n, fn in fns.items():
+            fn(feats, toks, torch.arange(256).view(1, -1), caches[n], [0])
+        times = {"fused": [], "torch": [], "target": []}
+        f1, t1, p1 = feats[:, :1], toks[:, :1], torch.tensor([[256]])
+        for _ in range(reps):
+            for n, fn in fns.items():
+                t0 = time.perf_counter()
+                fn(f1, t1, p1, caches[n], [0])
+                times[n].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            target.forward(t1, p1, tcache)
+            times["target"].append(time.perf_counter() - t0)
+    med = {n: 1e3 * statistics.median(v) for n, v in times.items()}
+    print(f"{'draft step':<14} {'ms (median)':>12} {'x target forward':>17}")
+    for n in ("fused", "torch", "target"):
+        print(f"{n:<14} {med[n]:>12.3f} {med[n] / med['target']:>17.3f}")
+    print(f"fused / torch: {med['fused'] / med['torch']:.2f}x the time")
+    return {"step_ms": {n: round(v, 4) for n, v in med.items()}, "fused_vs_torch": round(med["fused"] / med["torch"], 3)}
 
 
 def main() -> None:
@@ -36,12 +75,15 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--baseline-head", default=None, help="another head, benchmarked beside --head at k=auto")
+    ap.add_argument("--step-ab", action="store_true", help="first time one draft step: fused vs torch ops")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     draft = "qwen2.5-coder-0.5b" if a.draft else None
     t0 = time.perf_counter()
     models = load_models(a.model, draft, "native", "q4_0")
     load_s = time.perf_counter() - t0
+    ab = step_ab(models, a.head, a.model) if a.step_ab else None
     prompts = load_prompts(a.prompts, a.num_prompts)
     params = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, seed=0 if a.temperature else None)
     settings = bench.BenchSettings(prompts=prompts, params=params, ks=[], proposer="head", head=a.head,
@@ -51,6 +93,9 @@ def main() -> None:
         k = k if k == "auto" else int(k)
         spec = SpeculativeConfig(proposer="head", head=a.head, num_draft_tokens=k)
         configs.append(bench.Ours(f"head k={k}", build_engine(models, spec, 4096), k, "head"))
+    if a.baseline_head:
+        spec = SpeculativeConfig(proposer="head", head=a.baseline_head, num_draft_tokens="auto")
+        configs.append(bench.Ours("baseline head k=auto", build_engine(models, spec, 4096), "auto", "head"))
     configs.append(bench.Ours("ngram k=auto", build_engine(models, SpeculativeConfig(proposer="ngram"), 4096),
                               "auto", "ngram"))
     if draft:
@@ -68,7 +113,8 @@ def main() -> None:
           f"held-out acceptance at training: {json.dumps(head.cfg.held_out)}")
     print(json.dumps({"benchmark": "head", "model": a.model, "cpu": cpu_name(), "prompts": a.prompts,
                       "num_prompts": len(prompts), "max_tokens": a.max_tokens, "temperature": a.temperature,
-                      "threads": a.threads, "load_s": round(load_s, 1), "head_params": size, **summary}))
+                      "threads": a.threads, "load_s": round(load_s, 1), "head_params": size, "head": a.head, "baseline_head": a.baseline_head,
+                      "step_ab": ab, **summary}))
 
 
 if __name__ == "__main__":

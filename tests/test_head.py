@@ -9,6 +9,8 @@ features), so its q is neither uniform nor the target's p.
 
 from __future__ import annotations
 
+import copy
+import itertools
 import json
 import random
 
@@ -19,7 +21,7 @@ from conftest import tiny_model
 from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.errors import SpecdecError
 from specdec.head import DraftHead, HeadConfig, attach, load_head
-from specdec.head.data import Sequence
+from specdec.head.data import Sequence, corpus_chunks, teacher_force
 from specdec.head.model import HeadCache
 from specdec.head.train import batches, collate, draft_vocabulary, loss_fn, windows
 from specdec.loader import Models, build_engine
@@ -113,6 +115,35 @@ def test_training_unroll_equals_cached_drafting(tiny):
                 j = j0 + s - 1
                 g = head.step(g.unsqueeze(1), toks[:, j: j + 1], torch.tensor([[j]]), cache, [0])[:, 0]
                 torch.testing.assert_close(g, gs[s - 1][:, j], atol=1e-5, rtol=1e-5)
+
+
+def test_fused_draft_step_equals_torch_step(tiny):
+    """A prepared head drafts on the runtime's fused layer glue (`_step_layer`); it computes what
+    the torch ops compute (`_step_torch`, same bf16 weights), for a batched prefill over padded
+    rows in other cache rows and for single draft steps fed their own features, and writes the
+    same KV."""
+    target, head = tiny
+    head = copy.deepcopy(head).prepare()
+    seqs = target_sequences(target, 2, 12, seed=7)
+    feats = torch.stack([s.hidden for s in seqs])  # [2, 11, d]
+    toks = torch.tensor([s.tokens[1:12] for s in seqs])
+    caches = [HeadCache(3, head.cfg.n_kv_heads, head.cfg.head_dim, 64) for _ in range(2)]
+    rows = [2, 0]
+    with torch.no_grad():
+        pos = torch.arange(8).view(1, -1).expand(2, 8)
+        got = [fn(feats[:, :8], toks[:, :8], pos, c, rows)
+               for fn, c in zip((head._step_layer, head._step_torch), caches)]
+        torch.testing.assert_close(got[0], got[1], atol=1e-5, rtol=1e-5)
+        g = got[0][:, -1]
+        for j in (8, 9, 10):
+            pos = torch.full((2, 1), j)
+            got = [fn(g.unsqueeze(1), toks[:, j: j + 1], pos, c, rows)
+                   for fn, c in zip((head._step_layer, head._step_torch), caches)]
+            torch.testing.assert_close(got[0], got[1], atol=1e-5, rtol=1e-5)
+            g = got[0][:, 0]
+    torch.testing.assert_close(caches[0].k[:, :, :11], caches[1].k[:, :, :11], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(caches[0].v[:, :, :11], caches[1].v[:, :, :11], atol=1e-5, rtol=1e-5)
+    assert not caches[0].k[1].any()  # row 1 untouched
 
 
 def test_save_load_round_trip_and_bad_heads(tiny, tmp_path):
@@ -286,6 +317,52 @@ def test_shipped_head_greedy_equals_plain_on_smollm2(smollm2_models):
         assert drafted > 0 and accepted > 0, (accepted, drafted)
 
 
+class ByteTokenizer:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))
+
+
+def test_corpus_chunks_are_seeded_sized_and_alternate():
+    """The teacher-forcing corpus: the same seed gives the same chunks, another seed another
+    order; every chunk 64..window tokens; prose and code alternate from the start."""
+    first = list(itertools.islice(corpus_chunks(ByteTokenizer(), 0, 256), 40))
+    assert first == list(itertools.islice(corpus_chunks(ByteTokenizer(), 0, 256), 40))
+    assert first != list(itertools.islice(corpus_chunks(ByteTokenizer(), 1, 256), 40))
+    assert all(64 <= len(ids) <= 256 for _, ids in first)
+    assert [k for k, _ in first[:6]] == ["corpus-text", "corpus-code"] * 3
+    assert any("def " in bytes(ids).decode("utf-8", "replace") for k, ids in first if k == "corpus-code")
+
+
+def test_teacher_forced_features_equal_decoding_features():
+    """The head trains on features from one prefill over a chunk and drafts from features of
+    verify forwards a few tokens wide: both must be the same numbers (batch-invariant widths)."""
+    target = tiny_model(seed=5, **KW)
+    ids = [int(t) for t in torch.randint(0, 4, (20,), generator=torch.Generator().manual_seed(3))]
+    seq = teacher_force(target, [("corpus-code", ids)], window=32)[0]
+    assert seq.tokens == ids and seq.hidden.shape == (19, KW["dim"]) and seq.prompt_len == 0
+    cache = target.new_cache(1, 64)
+    rows = []
+    for a in range(0, 19, 3):  # 3 tokens per forward, as a verify round of k = 2
+        b = min(a + 3, 19)
+        _, h = target.forward(torch.tensor([ids[a:b]]), torch.arange(a, b).view(1, -1), cache, return_hidden=True)
+        cache.set_length(0, b)
+        rows.append(h[0])
+    assert torch.equal(seq.hidden, torch.cat(rows).half())
+    seq2 = teacher_force(target, [("corpus-code", ids)] * 3, window=32, token_budget=25)
+    assert len(seq2) == 2  # stops starting chunks once the budget is read
+
+
+def test_draft_vocabulary_counts_teacher_forced_text_once():
+    """Answers weigh 4x in the draft vocabulary (they are what the head drafts); teacher-forced
+    text, like a prompt, once."""
+    answer = Sequence([0, 5, 5, 5], torch.zeros(3, 2), 1, "chat")
+    corpus = Sequence([0] + [7] * 5, torch.zeros(5, 2), 0, "corpus-text")
+    ids = draft_vocabulary([answer, corpus], 2, 10, set())
+    assert ids.tolist() == [5, 7]
+    ids = draft_vocabulary([answer, corpus], 1, 10, set())
+    assert ids.tolist() == [5]  # 3 answer tokens x 4 beat 5 corpus tokens
+
+
 def test_train_head_command_end_to_end(tmp_path, capsys):
     """`specdec train-head` as a user runs it, on a tiny checkpoint with a tokenizer: harvest,
     train, held-out measurement, a head that loads and drafts; the same --out again is a clear
@@ -297,10 +374,11 @@ def test_train_head_command_end_to_end(tmp_path, capsys):
     out = tmp_path / "head"
     flags = ["train-head", "--model", model, "--out", str(out), "--minutes", "1", "--harvest-tokens", "3000",
              "--epochs", "2", "--draft-vocab", "256", "--intermediate", "32", "--max-new", "24",
-             "--batch-pairs", "256", "--threads", "1"]
+             "--batch-pairs", "256", "--corpus-tokens", "2000", "--threads", "1"]
     assert main(flags) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert report["train"]["steps"] >= 1 and report["train"]["tokens"] >= 3000
+    assert report["train"]["steps"] >= 1 and report["train"]["answered_tokens"] >= 3000
+    assert report["train"]["teacher_forced_tokens"] >= 2000
     assert report["held_out"]["chat"]["rounds"] > 0 and len(report["held_out"]["code"]["acceptance_at"]) == 5
     head = DraftHead.load(out)
     assert head.cfg.draft_vocab == 256 and head.cfg.train["batch_pairs"] == 256
@@ -308,3 +386,6 @@ def test_train_head_command_end_to_end(tmp_path, capsys):
     assert "already holds a finished head" in capsys.readouterr().err
     assert main([*flags[:-4], "--lr", "0", "--threads", "1"]) == 2
     assert "lr" in capsys.readouterr().err
+    assert main([*flags[:-2], "--harvest-share", "0.5", "--corpus-share", "0.5", "--threads", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "corpus_share=0.5" in err and "[0, 0.50)" in err

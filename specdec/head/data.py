@@ -14,12 +14,15 @@ import ast
 import random
 import sysconfig
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from pydoc_data.topics import topics as PYTHON_REFERENCE
 
 MAX_PROMPT = 1024  # longer training prompts are skipped (the KV cache is sized for this)
+CORPUS_WINDOW = 512  # tokens per teacher-forced corpus chunk
 
 CHAT_TEMPLATES = [
     "Explain {t} to a curious teenager.",
@@ -66,14 +69,17 @@ def chat_prompts() -> list[str]:
     return [t.format(t=topic) for topic in CHAT_TOPICS for t in CHAT_TEMPLATES]
 
 
+def _stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return [p for p in sorted(root.glob("*.py")) + sorted(root.glob("*/*.py"))
+            if not ("test" in p.parts[-2:][0] or p.name.startswith("test"))]
+
+
 def code_prompts(limit: int | None = None) -> list[str]:
     """'Complete this Python function' tasks: each a standard-library function's signature and
     docstring (public functions with a docstring of 2+ lines), HumanEval's format."""
-    root = Path(sysconfig.get_paths()["stdlib"])
     out = []
-    for path in sorted(root.glob("*.py")) + sorted(root.glob("*/*.py")):
-        if "test" in path.parts[-2:][0] or path.name.startswith("test"):
-            continue
+    for path in _stdlib_files():
         try:
             tree = ast.parse(path.read_text(encoding="utf-8"))
         except (SyntaxError, UnicodeDecodeError, OSError):
@@ -102,6 +108,67 @@ def training_prompts(seed: int, n_code: int | None = None, n_chat: int | None = 
     items = [("code", p) for p in code] + [("chat", p) for p in chat]
     rng.shuffle(items)
     return items
+
+
+def corpus_chunks(tokenizer, seed: int, window: int = CORPUS_WINDOW) -> Iterator[tuple[str, list[int]]]:
+    """Text for teacher forcing, (kind, token ids) in chunks of at most `window` tokens, from what
+    every Python installation holds: the standard library's own modules ("corpus-code") and the
+    Python reference's prose (pydoc_data.topics, "corpus-text"). Texts in an order shuffled with
+    `seed`; the two kinds alternate until the prose runs out (it is the smaller, and chat is the
+    harder domain). Lazy: a budget tokenises only what it reads."""
+    rng = random.Random(seed)
+    files = _stdlib_files()
+    rng.shuffle(files)
+    topics = sorted(PYTHON_REFERENCE)
+    rng.shuffle(topics)
+
+    def code_texts() -> Iterator[str]:
+        for path in files:
+            try:
+                yield path.read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue
+
+    def chunks(kind: str, texts: Iterable[str]) -> Iterator[tuple[str, list[int]]]:
+        for text in texts:
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            for a in range(0, len(ids), window):
+                if len(ids) - a >= 64:
+                    yield kind, ids[a: a + window]
+
+    prose = chunks("corpus-text", (PYTHON_REFERENCE[t] for t in topics))
+    code = chunks("corpus-code", code_texts())
+    for pair in zip(prose, code):
+        yield from pair
+    yield from prose
+    yield from code
+
+
+@torch.inference_mode()
+def teacher_force(model, chunks: Iterable[tuple[str, list[int]]], window: int = CORPUS_WINDOW,
+                  deadline: float | None = None, token_budget: int | None = None,
+                  on_sequence=None) -> list[Sequence]:
+    """The target reads each chunk (at most `window` tokens) in one prefill (no sampling: the
+    text is given) and every position's final hidden state is kept: the fixed-data half of the
+    recipe (EAGLE's), about 3x faster per token here than the target writing its own answers.
+    Stops starting chunks after `deadline` or once `token_budget` tokens are read;
+    on_sequence(seq) as in `harvest` (seq.index: the chunk's place in `chunks`)."""
+    cache = model.new_cache(1, window + 1)
+    done, read = [], 0
+    for index, (kind, ids) in enumerate(chunks):
+        if (deadline is not None and time.monotonic() > deadline) or (
+                token_budget is not None and read >= token_budget):
+            break
+        n = len(ids)
+        cache.set_length(0, 0)
+        _, hidden = model.forward(torch.tensor([ids]), torch.arange(n).view(1, n), cache, return_hidden=True,
+                                  logits_at=torch.zeros(1, 0, dtype=torch.long))
+        seq = Sequence(list(ids), hidden[0, : n - 1].half(), 0, kind, index)
+        done.append(seq)
+        read += n
+        if on_sequence is not None:
+            on_sequence(seq)
+    return done
 
 
 @dataclass

@@ -34,11 +34,12 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from specdec.errors import SpecdecError
-from specdec.runtime.kernels import linear, prepare_weight
+from specdec.runtime.kernels import fused, linear, prepare_weight
 from specdec.runtime.model import rope_tables
 
 HEAD_FORMAT = 1  # bumped when the saved layout changes
 LINEARS = ("fc", "wqkv", "wo", "w_gate_up", "w_down")
+NORMS = ("w_e", "w_f", "w_a", "w_m", "w_o")
 WEIGHTS, CONFIG = "head.safetensors", "head.json"
 
 
@@ -136,6 +137,7 @@ class DraftHead(nn.Module):
         own values, so drafting equals `unroll` on a loaded head), streamed at half the bytes of
         fp32. Training never calls this (its weights move)."""
         self._kernels = {n: prepare_weight(getattr(self, n).weight, "bf16") for n in LINEARS}
+        self._kernels.update({n: getattr(self, n).detach().float().contiguous() for n in NORMS})
         return self
 
     def _lin(self, name: str, x: torch.Tensor) -> torch.Tensor:
@@ -228,6 +230,13 @@ class DraftHead(nn.Module):
              cache: HeadCache, rows: list[int]) -> torch.Tensor:
         """g [B, T, d] for pairs at `positions` [B, T] (= their slots) of cache `rows`; writes
         their KV. Each query attends the row's slots start..its own position."""
+        if self._kernels is not None and not any(cache.start[r] for r in rows):
+            return self._step_layer(feats, tokens, positions, cache, rows)
+        return self._step_torch(feats, tokens, positions, cache, rows)
+
+    def _step_torch(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                    cache: HeadCache, rows: list[int]) -> torch.Tensor:
+        """`step` in torch ops (training's pieces; a row whose cache starts past slot 0)."""
         z = self._input(feats, tokens)
         q, k, v = self._qkv(z, positions)
         ix = torch.tensor(rows)
@@ -242,6 +251,27 @@ class DraftHead(nn.Module):
         mask = (slot.view(1, 1, S) <= positions.unsqueeze(2)) & (slot.view(1, 1, S) >= start)
         o = F.scaled_dot_product_attention(q, K, V, attn_mask=mask.unsqueeze(1), enable_gqa=True)
         return self._finish(z, o)
+
+    def _step_layer(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                    cache: HeadCache, rows: list[int]) -> torch.Tensor:
+        """`step` for a prepared head whose rows' caches start at slot 0: the same layer on the
+        runtime's fused glue (the target's own decoder-layer path: norms, RoPE, KV write and
+        attention in one call each), a dozen calls where the torch ops are sixty; a draft step
+        is mostly glue on a small head. Same arithmetic up to float summation order."""
+        c, k = self.cfg, self._kernels
+        eps = c.norm_eps
+        self.rope(positions)  # (grows the tables to cover positions)
+        st = fused.plan(positions, torch.tensor(rows, dtype=torch.int64), None, *self._rope)
+        norm = fused.add_rms_norm
+        e = self.embed[tokens]
+        f = feats.float().contiguous()
+        z = self._lin("fc", torch.cat([norm(e, None, k["w_e"], eps, st.fast),
+                                       norm(f, None, k["w_f"], eps, st.fast)], -1))
+        qkv = self._lin("wqkv", norm(z, None, k["w_a"], eps, st.fast))
+        o = fused.attend(st, qkv, cache.k, cache.v, c.n_heads, c.n_kv_heads)
+        h = norm(z, self._lin("wo", o), k["w_m"], eps, st.fast)  # z becomes the residual stream
+        d = self._lin("w_down", fused.silu_mul(self._lin("w_gate_up", h), st.fast))
+        return norm(z, d, k["w_o"], eps, st.fast)
 
     # ---- files ----------------------------------------------------------------------------
     def save(self, path: Path, dtype=torch.bfloat16) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import math
 import random
@@ -38,7 +39,7 @@ from specdec.errors import SpecdecError, check_float, check_int
 from specdec.errors import lenient_float as _float
 from specdec.errors import lenient_int as _int
 from specdec.head import attach
-from specdec.head.data import Sequence, harvest, training_prompts
+from specdec.head.data import CORPUS_WINDOW, Sequence, corpus_chunks, harvest, teacher_force, training_prompts
 from specdec.head.model import DraftHead, HeadConfig
 from specdec.loader import load_model
 from specdec.runtime.hub import REGISTRY
@@ -56,6 +57,8 @@ class TrainSettings:
     minutes: float = 50.0  # the whole run: harvest, training and held-out measurement
     harvest_share: float = 0.45  # most of the budget spent harvesting
     harvest_tokens: int = 300_000  # harvest until this many tokens (prompts + answers)
+    corpus_share: float = 0.15  # then teacher forcing on library text, at most this share of the budget
+    corpus_tokens: int = 0  # teacher-forced tokens (0: none; docs/draft-head.md: it did not pay here yet)
     epochs: float = 2.0  # passes over the harvested pairs (or until the budget ends)
     draft_vocab: int = 8192
     intermediate: int | None = None  # the head's MLP width (default: the target's)
@@ -80,9 +83,21 @@ def save_shard(path: Path, seqs: list[tuple[int, Sequence]]) -> None:
     tmp.replace(path)
 
 
-def load_shards(work: Path) -> list[tuple[int, Sequence]]:
+def append_shard(work: Path, prefix: str, buf: list[tuple[int, Sequence]],
+                 into: list[tuple[int, Sequence]]) -> bool:
+    """Write buf as the next shard `prefix-NNNN` (resumable), move it into `into`; False if empty."""
+    if not buf:
+        return False
+    n = len(list(work.glob(f"{prefix}-*.safetensors")))
+    save_shard(work / f"{prefix}-{n:04d}.safetensors", buf)
+    into.extend(buf)
+    buf.clear()
+    return True
+
+
+def load_shards(work: Path, prefix: str = "data") -> list[tuple[int, Sequence]]:
     out = []
-    for path in sorted(work.glob("data-*.safetensors")):
+    for path in sorted(work.glob(f"{prefix}-*.safetensors")):
         with safe_open(str(path), "pt") as f:
             items = json.loads(f.metadata()["items"])
             toks, hidden = f.get_tensor("tokens").tolist(), f.get_tensor("hidden")
@@ -95,12 +110,15 @@ def load_shards(work: Path) -> list[tuple[int, Sequence]]:
 
 # ---- vocabulary and windows -------------------------------------------------------------------
 def draft_vocabulary(seqs: list[Sequence], size: int, vocab_size: int, always: set[int]) -> torch.Tensor:
-    """The `size` most frequent next tokens of the data (answers counted 4x: they are what the
-    head drafts), plus `always` (EOS), sorted ids [Vd]."""
+    """The `size` most frequent next tokens of the data (the target's answers counted 4x: they
+    are what the head drafts; prompts and teacher-forced text once), plus `always` (EOS), sorted
+    ids [Vd]."""
     counts = torch.zeros(vocab_size, dtype=torch.float64)
     for s in seqs:
         t = torch.tensor(s.tokens[1:])
         counts.index_add_(0, t, torch.ones(len(t), dtype=torch.float64))
+        if s.kind.startswith("corpus"):
+            continue
         ans = torch.tensor(s.tokens[s.prompt_len:])
         counts.index_add_(0, ans, torch.full((len(ans),), 3.0, dtype=torch.float64))
     for t in always:
@@ -261,11 +279,7 @@ def train_head(model, tokenizer, target: str, sha256: str, st: TrainSettings, co
                                                       f"{n_tok + done_tokens} tokens")
 
             def flush() -> None:
-                if buf:
-                    n = len(list(work.glob("data-*.safetensors")))
-                    save_shard(work / f"data-{n:04d}.safetensors", buf)
-                    have.extend(buf)
-                    buf.clear()
+                if append_shard(work, "data", buf, have):
                     log(f"harvest: {len(have)} answers, {n_tok + done_tokens} tokens, "
                         f"{n_tok / (time.monotonic() - t0):.0f} tok/s")
 
@@ -274,7 +288,35 @@ def train_head(model, tokenizer, target: str, sha256: str, st: TrainSettings, co
                     deadline=harvest_end, token_budget=st.harvest_tokens - done_tokens, on_sequence=on_sequence)
             flush()
             save_state(harvest_done=True)
-        seqs = [s for _, s in have]
+        corpus = load_shards(work, "corpus")
+        corpus_end = t_start + 60 * st.minutes * (st.harvest_share + st.corpus_share) - state["spent_s"]
+        read = sum(len(s.tokens) for _, s in corpus)
+        if st.corpus_tokens > read and time.monotonic() < corpus_end and not state.get("corpus_done"):
+            start = 1 + max((i for i, _ in corpus), default=-1)
+            window = min(CORPUS_WINDOW, model.args.max_seq_len - 1)
+            chunks = itertools.islice(corpus_chunks(tokenizer, st.seed, window), start, None)
+            task = progress.add_task("corpus", total=st.corpus_tokens, completed=read, info="")
+            t0, n_read = time.monotonic(), 0
+            cbuf: list[tuple[int, Sequence]] = []
+
+            def cflush() -> None:
+                if append_shard(work, "corpus", cbuf, corpus):
+                    log(f"corpus: {read + n_read} tokens, {n_read / (time.monotonic() - t0):.0f} tok/s")
+
+            def on_chunk(seq: Sequence) -> None:
+                nonlocal n_read
+                cbuf.append((start + seq.index, seq))
+                n_read += len(seq.tokens)
+                if len(cbuf) >= 64:
+                    cflush()
+                progress.update(task, completed=read + n_read,
+                                info=f"{n_read / (time.monotonic() - t0):.0f} tok/s (teacher forcing)")
+
+            teacher_force(model, chunks, window, deadline=corpus_end, token_budget=st.corpus_tokens - read,
+                          on_sequence=on_chunk)
+            cflush()
+            save_state(corpus_done=True)
+        seqs = [s for _, s in have] + [s for _, s in corpus]
         if not seqs:
             raise SpecdecError("no training data: the harvest budget ran out before one answer finished; "
                                "give --minutes more time", "minutes")
@@ -309,9 +351,12 @@ def train_head(model, tokenizer, target: str, sha256: str, st: TrainSettings, co
         epoch = 0
         head.train()
         total_pairs = st.epochs * n_pairs
-        while time.monotonic() < train_end and seen < total_pairs:
+        def more() -> bool:  # (past the cosine schedule's end the learning rate is 0: stop there)
+            return time.monotonic() < train_end and seen < total_pairs and (est_total is None or step < est_total)
+
+        while more():
             for batch in batches(wins, st.tokens_per_batch, rng):
-                if time.monotonic() >= train_end or seen >= total_pairs:
+                if not more():
                     break
                 lr = st.lr * min(1.0, (step + 1) / st.warmup)
                 if est_total:
@@ -348,8 +393,11 @@ def train_head(model, tokenizer, target: str, sha256: str, st: TrainSettings, co
         held = held_out_sequences(model, tokenizer, st)
         results = {name: acceptance(head, s) for name, s in held.items()}
         progress.update(task, completed=1, total=1, info="")
-    cfg.train = {"data": "stdlib code prompts + specdec chat templates, answered by the target",
+    cfg.train = {"data": "stdlib code prompts + specdec chat templates, answered by the target; "
+                         "stdlib modules and the Python reference's prose, teacher-forced",
                  "sequences": len(seqs), "tokens": sum(len(s.tokens) for s in seqs), "pairs": n_pairs,
+                 "answered_tokens": sum(len(s.tokens) for s in seqs if not s.kind.startswith("corpus")),
+                 "teacher_forced_tokens": sum(len(s.tokens) for s in seqs if s.kind.startswith("corpus")),
                  "epochs": round(seen / max(n_pairs, 1), 2), "steps": step, "seed": st.seed,
                  "minutes": st.minutes, "unrolled_steps": st.steps, "draft_vocab": len(ids),
                  "draft_vocab_coverage": coverage, "window": WINDOW, "lr": st.lr,
@@ -365,7 +413,7 @@ def _coverage(seqs: list[Sequence], ids: torch.Tensor) -> float:
     """Share of answer tokens inside the draft vocabulary."""
     inside = torch.zeros(int(ids.max()) + 1, dtype=torch.bool)
     inside[ids] = True
-    ans = [t for s in seqs for t in s.tokens[s.prompt_len:]]
+    ans = [t for s in seqs if not s.kind.startswith("corpus") for t in s.tokens[s.prompt_len:]]
     return round(sum(1 for t in ans if t < len(inside) and inside[t]) / max(len(ans), 1), 4)
 
 
@@ -381,6 +429,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="training tokens the target writes (prompts + answers), >= 1000")
     p.add_argument("--harvest-share", type=_float, default=d.harvest_share,
                    help="most of the budget the harvest may take, (0, 1)")
+    p.add_argument("--corpus-tokens", type=_int, default=d.corpus_tokens,
+                   help="tokens of library text the target reads (teacher forcing, after the harvest), >= 0")
+    p.add_argument("--corpus-share", type=_float, default=d.corpus_share,
+                   help="most of the budget the teacher forcing may take, [0, 1)")
     p.add_argument("--epochs", type=_float, default=d.epochs, help="passes over the harvested data, > 0")
     p.add_argument("--draft-vocab", type=_int, default=d.draft_vocab,
                    help="tokens the head can draft (the most frequent in the data), [256, V]")
@@ -396,12 +448,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def settings_from(a) -> TrainSettings:
     """Every flag checked (name and allowed range) before anything is loaded."""
-    return TrainSettings(
+    st = TrainSettings(
         out=Path(a.out).expanduser(),
         minutes=check_float("minutes", a.minutes, 0.0, 1440.0, lo_open=True),
         seed=check_int("seed", a.seed, 0, MAX_SEED),
         harvest_tokens=check_int("harvest_tokens", a.harvest_tokens, 1000, None),
         harvest_share=check_float("harvest_share", a.harvest_share, 0.0, 1.0, lo_open=True, hi_open=True),
+        corpus_tokens=check_int("corpus_tokens", a.corpus_tokens, 0, None),
+        corpus_share=check_float("corpus_share", a.corpus_share, 0.0, 1.0, hi_open=True),
         epochs=check_float("epochs", a.epochs, 0.0, 1000.0, lo_open=True),
         draft_vocab=check_int("draft_vocab", a.draft_vocab, 256, None),
         intermediate=check_int("intermediate", a.intermediate, 16, 65536),
@@ -411,6 +465,10 @@ def settings_from(a) -> TrainSettings:
         lr=check_float("lr", a.lr, 0.0, 1.0, lo_open=True),
         tokens_per_batch=check_int("batch_pairs", a.batch_pairs, 64, 65536),
         warmup=check_int("warmup", a.warmup, 1, 100000))
+    if st.harvest_share + st.corpus_share >= 1:  # training needs the rest of the budget
+        raise SpecdecError(f"corpus_share={st.corpus_share} leaves no time to train after harvest_share="
+                           f"{st.harvest_share}; allowed [0, {1 - st.harvest_share:.2f})", "corpus_share")
+    return st
 
 
 def _file_sha256(path: Path) -> str:
