@@ -393,8 +393,9 @@ def train_head(model, tokenizer, target: str, sha256: str, st: TrainSettings, co
         held = held_out_sequences(model, tokenizer, st)
         results = {name: acceptance(head, s) for name, s in held.items()}
         progress.update(task, completed=1, total=1, info="")
-    cfg.train = {"data": "stdlib code prompts + specdec chat templates, answered by the target; "
-                         "stdlib modules and the Python reference's prose, teacher-forced",
+    forced = any(s.kind.startswith("corpus") for s in seqs)
+    cfg.train = {"data": "stdlib code prompts + specdec chat templates, answered by the target"
+                         + ("; stdlib modules and the Python reference's prose, teacher-forced" if forced else ""),
                  "sequences": len(seqs), "tokens": sum(len(s.tokens) for s in seqs), "pairs": n_pairs,
                  "answered_tokens": sum(len(s.tokens) for s in seqs if not s.kind.startswith("corpus")),
                  "teacher_forced_tokens": sum(len(s.tokens) for s in seqs if s.kind.startswith("corpus")),
