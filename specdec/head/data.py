@@ -11,6 +11,7 @@ Held out: `specdec bench`'s prompt sets (HumanEval, the chat set) are never trai
 from __future__ import annotations
 
 import ast
+import json
 import random
 import sysconfig
 import time
@@ -20,6 +21,8 @@ from pathlib import Path
 
 import torch
 from pydoc_data.topics import topics as PYTHON_REFERENCE
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 MAX_PROMPT = 1024  # longer training prompts are skipped (the KV cache is sized for this)
 CORPUS_WINDOW = 512  # tokens per teacher-forced corpus chunk
@@ -255,3 +258,38 @@ def harvest(model, tokenizer, prompts: list[tuple[str, str]], max_new: int, batc
             rows[b]["fed"] += 1
             cache.set_length(b, rows[b]["fed"])
     return done
+
+
+# ---- harvested shards ---------------------------------------------------------------------------
+def save_shard(path: Path, seqs: list[tuple[int, Sequence]]) -> None:
+    toks = torch.tensor([t for _, s in seqs for t in s.tokens], dtype=torch.int32)
+    meta = {"items": json.dumps([[i, len(s.tokens), s.prompt_len, s.kind] for i, s in seqs])}
+    tmp = path.with_suffix(".tmp")
+    save_file({"tokens": toks, "hidden": torch.cat([s.hidden for _, s in seqs]).contiguous()}, str(tmp),
+              metadata=meta)
+    tmp.replace(path)
+
+
+def append_shard(work: Path, prefix: str, buf: list[tuple[int, Sequence]],
+                 into: list[tuple[int, Sequence]]) -> bool:
+    """Write buf as the next shard `prefix-NNNN` (resumable), move it into `into`; False if empty."""
+    if not buf:
+        return False
+    n = len(list(work.glob(f"{prefix}-*.safetensors")))
+    save_shard(work / f"{prefix}-{n:04d}.safetensors", buf)
+    into.extend(buf)
+    buf.clear()
+    return True
+
+
+def load_shards(work: Path, prefix: str = "data") -> list[tuple[int, Sequence]]:
+    out = []
+    for path in sorted(work.glob(f"{prefix}-*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            items = json.loads(f.metadata()["items"])
+            toks, hidden = f.get_tensor("tokens").tolist(), f.get_tensor("hidden")
+        a = h = 0
+        for i, n, plen, kind in items:
+            out.append((i, Sequence(toks[a: a + n], hidden[h: h + n - 1], plen, kind)))
+            a, h = a + n, h + n - 1
+    return out

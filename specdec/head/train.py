@@ -31,15 +31,14 @@ import torch
 import torch.nn.functional as F
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from specdec.config import MAX_SEED
 from specdec.errors import SpecdecError, check_float, check_int
 from specdec.errors import lenient_float as _float
 from specdec.errors import lenient_int as _int
 from specdec.head import attach
-from specdec.head.data import CORPUS_WINDOW, Sequence, corpus_chunks, harvest, teacher_force, training_prompts
+from specdec.head.data import (CORPUS_WINDOW, Sequence, append_shard, corpus_chunks, harvest, load_shards,
+                               teacher_force, training_prompts)
 from specdec.head.model import DraftHead, HeadConfig
 from specdec.loader import load_model
 from specdec.runtime.hub import REGISTRY
@@ -71,41 +70,6 @@ class TrainSettings:
     seed: int = 0
     held_out_code: int = 20  # HumanEval prompts for the held-out measurement
     held_out_new: int = 128
-
-
-# ---- harvested shards ---------------------------------------------------------------------------
-def save_shard(path: Path, seqs: list[tuple[int, Sequence]]) -> None:
-    toks = torch.tensor([t for _, s in seqs for t in s.tokens], dtype=torch.int32)
-    meta = {"items": json.dumps([[i, len(s.tokens), s.prompt_len, s.kind] for i, s in seqs])}
-    tmp = path.with_suffix(".tmp")
-    save_file({"tokens": toks, "hidden": torch.cat([s.hidden for _, s in seqs]).contiguous()}, str(tmp),
-              metadata=meta)
-    tmp.replace(path)
-
-
-def append_shard(work: Path, prefix: str, buf: list[tuple[int, Sequence]],
-                 into: list[tuple[int, Sequence]]) -> bool:
-    """Write buf as the next shard `prefix-NNNN` (resumable), move it into `into`; False if empty."""
-    if not buf:
-        return False
-    n = len(list(work.glob(f"{prefix}-*.safetensors")))
-    save_shard(work / f"{prefix}-{n:04d}.safetensors", buf)
-    into.extend(buf)
-    buf.clear()
-    return True
-
-
-def load_shards(work: Path, prefix: str = "data") -> list[tuple[int, Sequence]]:
-    out = []
-    for path in sorted(work.glob(f"{prefix}-*.safetensors")):
-        with safe_open(str(path), "pt") as f:
-            items = json.loads(f.metadata()["items"])
-            toks, hidden = f.get_tensor("tokens").tolist(), f.get_tensor("hidden")
-        a = h = 0
-        for i, n, plen, kind in items:
-            out.append((i, Sequence(toks[a: a + n], hidden[h: h + n - 1], plen, kind)))
-            a, h = a + n, h + n - 1
-    return out
 
 
 # ---- vocabulary and windows -------------------------------------------------------------------
