@@ -8,6 +8,7 @@ speculative output must equal plain token for token (`greedy_mismatches`).
     .venv/bin/python benchmarks/head.py --model qwen2.5-coder-1.5b --head DIR --prompts humaneval --draft
     .venv/bin/python benchmarks/head.py --baseline-head DIR ...   # another head beside it, same prompts
     .venv/bin/python benchmarks/head.py --step-ab ...              # first: one draft step, fused vs torch
+    .venv/bin/python benchmarks/head.py --ks 1,2 --trees 3 3,1 auto  # head draft trees beside its chains
 
 Held out: the chat set and HumanEval are never in a head's training data (specdec.head.data).
 """
@@ -75,6 +76,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--trees", nargs="*", default=[], metavar="W1,W2,...|auto",
+                    help="head draft trees (children per depth, k = depth; auto: adaptive k and shape)")
     ap.add_argument("--baseline-head", default=None, help="another head, benchmarked beside --head at k=auto")
     ap.add_argument("--step-ab", action="store_true", help="first time one draft step: fused vs torch ops")
     a = ap.parse_args()
@@ -93,6 +96,10 @@ def main() -> None:
         k = k if k == "auto" else int(k)
         spec = SpeculativeConfig(proposer="head", head=a.head, num_draft_tokens=k)
         configs.append(bench.Ours(f"head k={k}", build_engine(models, spec, 4096), k, "head"))
+    for widths in a.trees:
+        k = "auto" if widths == "auto" else len(widths.split(","))
+        spec = SpeculativeConfig(proposer="head", head=a.head, num_draft_tokens=k, draft_tree=widths)
+        configs.append(bench.Ours(f"head tree {widths}", build_engine(models, spec, 4096), k, "head"))
     if a.baseline_head:
         spec = SpeculativeConfig(proposer="head", head=a.baseline_head, num_draft_tokens="auto")
         configs.append(bench.Ours("baseline head k=auto", build_engine(models, spec, 4096), "auto", "head"))

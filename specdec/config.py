@@ -213,7 +213,7 @@ class SpeculativeConfig:
     ngram_min: int = 1
     ngram_max: int = 4
     draft_tree: str | tuple | None = None  # children per depth ("3,2,1" or (3, 2, 1)): the draft
-    # model drafts a tree of its top candidates, verified losslessly in one forward; "auto": each
+    # model (or head) drafts a tree of its top candidates, verified losslessly in one forward; "auto": each
     # round's shape (a chain included) chosen from measured costs and acceptances; None / "off":
     # a chain. Depth = len(widths), cut to the round's k.
 
@@ -233,10 +233,10 @@ class SpeculativeConfig:
         check_choice("draft_dtype", self.draft_dtype, DTYPES)
         check_choice("draft_sampling", self.draft_sampling, DRAFT_SAMPLING)
         self.draft_tree = parse_draft_tree(self.draft_tree)
-        if self.draft_tree is not None and self.proposer != "draft":
-            raise SpecdecError(f"draft_tree={tree_text(self.draft_tree)} needs proposer='draft' (the "
-                               f"draft model drafts the tree), not {self.proposer!r}; allowed: a draft model, "
-                               "or draft_tree='off'", "draft_tree")
+        if self.draft_tree is not None and self.proposer not in ("draft", "head"):
+            raise SpecdecError(f"draft_tree={tree_text(self.draft_tree)} needs proposer='draft' or 'head' (a "
+                               f"draft model or a draft head drafts the tree), not {self.proposer!r}; allowed: a "
+                               "draft model or a head, or draft_tree='off'", "draft_tree")
 
     def check_unused(self) -> None:
         """Refuse settings this configuration would ignore (a user who set them expects them to

@@ -121,6 +121,16 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     return mask
 
 
+def pack_shapes(shapes: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A round's trees as a proposer returns them: parents [B, N] (-1 past a row's own nodes)
+    and nodes per row [B], from each row's parents [N_b] (empty: no drafts)."""
+    N = max(len(s) for s in shapes)
+    parents = torch.full((len(shapes), N), -1, dtype=torch.long)
+    for b, s in enumerate(shapes):
+        parents[b, : len(s)] = s
+    return parents, torch.tensor([len(s) for s in shapes], dtype=torch.long)
+
+
 def path_to(parents: torch.Tensor, node: int) -> list[int]:
     """Node indices from the root's child down to `node` (empty for node = -1, the root)."""
     path = []

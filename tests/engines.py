@@ -3,7 +3,11 @@ built (specdec.loader.build_engine)."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
+from specdec import tree as tree_mod
 from specdec.config import SpeculativeConfig
+from specdec.engine import trees
 from specdec.loader import Models, build_engine
 
 
@@ -13,3 +17,22 @@ def make_engine(target, draft, k, draft_sampling="probabilistic", max_batch=1, m
     spec = None if draft is None else SpeculativeConfig(draft="draft", num_draft_tokens=k,
                                                         draft_sampling=draft_sampling)
     return build_engine(models, spec, max_model_len=max_seq_len, max_batch=max_batch)
+
+
+@contextmanager
+def later_siblings():
+    """Collects the accepted nodes that were not their parent's first child (a path the chain
+    would not have drafted: the KV compaction moved it)."""
+    later, real = [], trees.verify_rows
+
+    def spy(reqs, rows, logits, prop, *rest):
+        paths = real(reqs, rows, logits, prop, *rest)
+        for b, path in paths.items():
+            rank = tree_mod.sibling_rank(prop.parents[b, : int(prop.num_draft[b])])
+            later.extend(j for j in path if rank[j] > 0)
+        return paths
+    trees.verify_rows = spy
+    try:
+        yield later
+    finally:
+        trees.verify_rows = real

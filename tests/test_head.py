@@ -18,12 +18,14 @@ import pytest
 import torch
 
 from conftest import tiny_model
+from engines import later_siblings
+from specdec import tree as tree_mod
 from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.errors import SpecdecError
 from specdec.head import DraftHead, HeadConfig, attach, load_head
 from specdec.head.data import Sequence, corpus_chunks, teacher_force
 from specdec.head.model import HeadCache
-from specdec.head.train import batches, collate, draft_vocabulary, loss_fn, windows
+from specdec.head.train import acceptance, batches, collate, draft_vocabulary, loss_fn, windows
 from specdec.loader import Models, build_engine
 from specdec.proposers import head as head_proposer
 from specdec.tools.distribution import (chi_square, engine_joint_exact, noncentrality, sample_engine,
@@ -146,6 +148,72 @@ def test_fused_draft_step_equals_torch_step(tiny):
     assert not caches[0].k[1].any()  # row 1 untouched
 
 
+def test_held_out_acceptance_counts_exact_greedy_rounds(tiny):
+    """`acceptance` (train-head's held-out report) against a direct count: from every answer
+    position the head's greedy drafts on cached steps, accepted up to the first miss; the first
+    draft's top-w hit rate starts at the first draft's acceptance and rises with w."""
+    target, head = tiny
+    seqs = target_sequences(target, 3, 14, seed=21)
+    for s in seqs:
+        s.prompt_len = 3
+    r = acceptance(head, seqs, k=3)
+    runs = []
+    with torch.no_grad():
+        for s in seqs:
+            T = len(s.hidden) - 1  # (the pairs acceptance drafts from)
+            for j0 in range(2, T - 3):
+                cache = HeadCache(1, head.cfg.n_kv_heads, head.cfg.head_dim, 64)
+                g = head.step(s.hidden[: j0 + 1].unsqueeze(0), torch.tensor([s.tokens[1: j0 + 2]]),
+                              torch.arange(j0 + 1).view(1, -1), cache, [0])[:, -1]
+                run = 0
+                while run < 3:
+                    d = int(head.vocab[head.logits(g).argmax(-1)])
+                    if d != s.tokens[j0 + run + 2]:
+                        break
+                    run += 1
+                    g = head.step(g.unsqueeze(1), torch.tensor([[d]]), torch.tensor([[j0 + run]]), cache, [0])[:, 0]
+                runs.append(run)
+    assert r["rounds"] == len(runs)
+    assert r["tokens_per_round"]["3"] == pytest.approx(1 + sum(runs) / len(runs), abs=1e-3)
+    assert r["acceptance_at"][0] == pytest.approx(sum(x >= 1 for x in runs) / len(runs), abs=1e-4)
+    top = [r["first_in_top"][str(w)] for w in range(1, 4)]  # (3 draft tokens: top 3 at most)
+    assert top[0] == pytest.approx(r["acceptance_at"][0], abs=1e-4)
+    assert top == sorted(top) and top[0] < top[2] <= 1.0
+
+
+def test_tree_step_equals_chain_steps(tiny):
+    """A draft tree's level (siblings at one position in separate slots, each seeing the true
+    pairs and its own ancestors) gives every node what a chain step along its own path gives:
+    on the fused glue and in torch ops, and for a row whose cache starts past slot 0."""
+    target, head = tiny
+    prepared = copy.deepcopy(head).prepare()
+    seq = target_sequences(target, 1, 12, seed=9)[0]
+    feats, toks = seq.hidden[:8].unsqueeze(0), torch.tensor(seq.tokens[1:9]).unsqueeze(0)
+    # the tree after 8 true pairs: node 0 at depth 1; nodes 1, 2 its children (siblings); node 3
+    # a child of node 2. Node j: slot 8 + j, position 7 + depth.
+    parents = [-1, 0, 0, 2]
+    g_in = torch.randn(1, 4, head.cfg.dim)  # each node's input feature (its parent's g)
+    node_tok = torch.tensor([[1, 2, 0, 3]])
+    positions = torch.tensor([[8, 9, 9, 10]])
+    slots = torch.tensor([[8, 9, 10, 11]])
+    mask = torch.tensor([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]]], dtype=torch.bool)
+    for h, start in ((prepared, 0), (head, 0), (prepared, 3)):
+        cache = HeadCache(1, head.cfg.n_kv_heads, head.cfg.head_dim, 64)
+        cache.start[0] = start
+        with torch.no_grad():
+            h.step(feats[:, start:], toks[:, start:], torch.arange(start, 8).view(1, -1), cache, [0])
+            tree = h.step(g_in, node_tok, positions, cache, [0], mask=mask, slots=slots)
+            for j in range(4):
+                path = [j]
+                while parents[path[0]] >= 0:
+                    path.insert(0, parents[path[0]])
+                chain = copy.deepcopy(cache)
+                for i in path:  # a chain over the path alone: slot = position
+                    g = h.step(g_in[:, i: i + 1], node_tok[:, i: i + 1], positions[:, i: i + 1], chain, [0])
+                torch.testing.assert_close(tree[:, j], g[:, 0], atol=1e-5, rtol=1e-5)
+        assert not torch.equal(tree[:, 1], tree[:, 2])  # (siblings differ: the test can tell them apart)
+
+
 def test_save_load_round_trip_and_bad_heads(tiny, tmp_path):
     target, head = tiny
     head.save(tmp_path / "h", dtype=torch.float32)
@@ -187,7 +255,10 @@ def test_head_joint_equals_target_joint(tiny, setting, k, draft_sampling):
     tokens is still the target's, to 1e-6."""
     target, head = tiny
     params = SamplingParams(max_tokens=16, **SETTINGS[setting])
-    engine = head_engine(target, head, k, draft_sampling)
+    _assert_joint_exact(head_engine(target, head, k, draft_sampling), target, params)
+
+
+def _assert_joint_exact(engine, target, params) -> None:
     got = engine_joint_exact(engine, PROMPT, params)
     # (1e-6, not the draft model's 1e-9: a replay whose target KV comes from the prefix cache feeds
     # the head its pairs in one forward instead of two, and torch's GEMM rounds by shape, ~1e-8)
@@ -215,6 +286,75 @@ def test_exact_test_catches_q_over_full_vocabulary(tiny, monkeypatch):
     _q_over_full_vocabulary(monkeypatch)
     got = engine_joint_exact(head_engine(target, head, 2), PROMPT, params)
     assert _max_diff(got, target_joint_exact(target, PROMPT, params)) > 1e-3
+
+
+# Trees drafted by the head: sampled candidates (without replacement from its q) and deterministic
+# ones (its top tokens); width 4 > the 3-token draft vocabulary leaves a node with no candidate.
+TREE_CASES = ([((2,), s, "probabilistic") for s in ("plain", "temp0.6_topk2")]
+              + [((2,), s, "greedy") for s in ("plain", "temp0.6_topk2")]
+              + [((2, 1), "plain", "probabilistic"), ((3, 2), "plain", "greedy"), ((4,), "plain", "greedy"),
+                 ((1, 3), "temp0.6_topk2", "probabilistic"), ((2, 2), "penalties", "probabilistic")])
+
+
+def head_tree_engine(target, head, widths, draft_sampling="probabilistic", max_batch=1):
+    models = Models(target, None, None, 4, "target", None)
+    models.heads["tiny"] = head
+    spec = SpeculativeConfig(head="tiny", num_draft_tokens=len(widths), draft_sampling=draft_sampling,
+                             draft_tree=widths)
+    return build_engine(models, spec, max_model_len=64, max_batch=max_batch)
+
+
+@pytest.mark.parametrize("widths, setting, draft_sampling", TREE_CASES)
+def test_head_tree_joint_equals_target_joint(tiny, widths, setting, draft_sampling):
+    target, head = tiny
+    params = SamplingParams(max_tokens=16, **SETTINGS[setting])
+    _assert_joint_exact(head_tree_engine(target, head, widths, draft_sampling), target, params)
+
+
+def _tree_q_smoothed(monkeypatch):
+    """A tree's children drawn from the head's q, but the q recorded for the verifier smoothed
+    over the whole vocabulary."""
+    real = head_proposer.fill_children
+
+    def fill(req, logits, nodes, tokens, valid, parent_valid, offset, q, draft_sampling):
+        real(req, logits, nodes, tokens, valid, parent_valid, offset, q, draft_sampling)
+        if q is not None:
+            for j in nodes:
+                q[j] = 0.7 * q[j] + 0.3 / q.shape[-1]
+    monkeypatch.setattr(head_proposer, "fill_children", fill)
+
+
+def test_exact_test_catches_head_tree_bugs(tiny, monkeypatch):
+    """Controls: a smoothed q for sampled children; and every deterministic candidate accepted
+    against its parent's p (no residual after a rejected sibling). The same test rejects both."""
+    target, head = tiny
+    params = SamplingParams(max_tokens=16, temperature=1.0)
+    want = target_joint_exact(target, PROMPT, params)
+    with monkeypatch.context() as m:
+        _tree_q_smoothed(m)
+        got = engine_joint_exact(head_tree_engine(target, head, (2, 1)), PROMPT, params)
+        assert _max_diff(got, want) > 1e-3
+    monkeypatch.setattr(tree_mod, "residual_distribution", lambda r, q, d: r)
+    got = engine_joint_exact(head_tree_engine(target, head, (3, 2), "greedy"), PROMPT, params)
+    assert _max_diff(got, want) > 1e-3
+
+
+def test_greedy_head_tree_equals_plain_batched(tiny):
+    """Rows of different prompts in one batch, one with penalties (it drafts a chain beside the
+    tree rows): the same tokens as plain greedy decoding, with accepted later siblings."""
+    target, head = tiny
+    prompts = [[1, 2, 3], [0, 3, 3, 1, 2, 0, 1], [2], [3, 1, 0, 0, 2]]
+    params = [SamplingParams(temperature=0, max_tokens=24)] * 3 + [
+        SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.3)]
+    plain = build_engine(Models(target, None, None, 4, "target", None), None, max_model_len=64, max_batch=4)
+    want = [plain.generate([p], ps)[0].output for p, ps in zip(prompts, params)]
+    for widths in ((2, 2), (3, 1, 1)):
+        eng = head_tree_engine(target, head, widths, max_batch=4)
+        with later_siblings() as later:
+            got = eng.generate(prompts, params)
+        assert [r.output for r in got] == want, widths
+        assert sum(r.stats.draft_tokens for r in got) > 0
+        assert later, "no accepted path went through a later sibling"
 
 
 N, BATCH = 200_000, 4000
@@ -295,8 +435,9 @@ def smollm2_models():
 def test_shipped_head_greedy_equals_plain_on_smollm2(smollm2_models):
     """The head shipped for SmolLM2 (`--proposer head` alone finds it), at its native quantisation:
     greedy speculative output equals plain greedy token for token, chat and code prompts, batched
-    and one at a time, at k = 4 and adaptive k, with drafts accepted (held-out prompts: the
-    benchmark's chat set and HumanEval are never in its training data)."""
+    and one at a time, at k = 4 and adaptive k, and drafting trees (3, 2, 1 and the adaptive
+    shape), with drafts accepted (held-out prompts: the benchmark's chat set and HumanEval are
+    never in its training data) and, for the fixed tree, accepted later siblings."""
     from specdec.tools.prompts import CHAT_PROMPTS, humaneval
 
     models = smollm2_models
@@ -305,21 +446,46 @@ def test_shipped_head_greedy_equals_plain_on_smollm2(smollm2_models):
     params = SamplingParams(temperature=0, max_tokens=48)
     plain = build_engine(models, None, max_model_len=2048, max_batch=5)
     want = [r.output for r in plain.generate(prompts, params)]
-    for k in (4, "auto"):
-        eng = build_engine(models, SpeculativeConfig(proposer="head", num_draft_tokens=k), max_model_len=2048,
-                           max_batch=5)
-        got = eng.generate(prompts, params)
-        assert [r.output for r in got] == want
+    for k, tree in ((4, None), ("auto", None), (3, (3, 2, 1)), ("auto", "auto")):
+        eng = build_engine(models, SpeculativeConfig(proposer="head", num_draft_tokens=k, draft_tree=tree),
+                           max_model_len=2048, max_batch=5)
+        with later_siblings() as later:
+            got = eng.generate(prompts, params)
+        assert [r.output for r in got] == want, (k, tree)
         alone = [eng.generate([p], params)[0].output for p in prompts[:2]]
-        assert alone == want[:2]
+        assert alone == want[:2], (k, tree)
         drafted = sum(r.stats.draft_tokens for r in got)
         accepted = sum(r.stats.accepted_tokens for r in got)
-        assert drafted > 0 and accepted > 0, (accepted, drafted)
+        assert drafted > 0 and accepted > 0, (k, tree, accepted, drafted)
+        if tree == (3, 2, 1):
+            assert later, "no accepted path went through a later sibling"
 
 
 class ByteTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
+
+
+def test_training_prompts_are_seeded_alternate_and_hold_out_the_benchmarks():
+    """The harvest's prompts: the same list for a seed, another for another seed, code and chat
+    alternating; no benchmark chat prompt, none of their subjects as a topic, no HumanEval
+    function among the code tasks (held out: the head is measured on those)."""
+    import re
+
+    from specdec.head.data import CHAT_TOPICS, chat_prompts, code_prompts, training_prompts
+    from specdec.tools.prompts import CHAT_PROMPTS, humaneval
+
+    a, b = training_prompts(0), training_prompts(1)
+    assert a == training_prompts(0) and a != b and sorted(a) == sorted(b)
+    n = 2 * min(len(code_prompts()), len(chat_prompts()))
+    assert [k for k, _ in a[:n]] == ["code", "chat"] * (n // 2)
+    assert not set(CHAT_PROMPTS) & set(chat_prompts())
+    bench = " ".join(CHAT_PROMPTS).lower()
+    assert not [t for t in CHAT_TOPICS if t.lower() in bench]
+    signature = re.compile(r"def \w+\(.*\).*:")  # a function's whole def line
+    theirs = {m.group(0) for p in humaneval() for m in signature.finditer(p)}
+    ours = {m.group(0) for p in code_prompts() for m in signature.finditer(p)}
+    assert len(theirs) > 100 and len(ours) > 1000 and not theirs & ours
 
 
 def test_corpus_chunks_are_seeded_sized_and_alternate():

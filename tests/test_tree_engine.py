@@ -13,14 +13,12 @@ path, the target's KV for that path is compacted into place.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import pytest
 import torch
 
 from conftest import tiny_model
 from test_exact_distribution import SETTINGS as CHAIN_SETTINGS
-from engines import make_engine
+from engines import later_siblings, make_engine
 from specdec import tree as tree_mod
 from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.engine import trees
@@ -45,25 +43,6 @@ def tree_engine(target, draft, widths, k=None, max_batch=1, max_seq_len=64, draf
     spec = SpeculativeConfig(draft="draft", num_draft_tokens=k or len(widths), draft_tree=widths,
                              draft_sampling=draft_sampling)
     return build_engine(models, spec, max_model_len=max_seq_len, max_batch=max_batch)
-
-
-@contextmanager
-def later_siblings():
-    """Collects the accepted nodes that were not their parent's first child (a path the chain
-    would not have drafted: the KV compaction moved it)."""
-    later, real = [], trees.verify_rows
-
-    def spy(reqs, rows, logits, prop, *rest):
-        paths = real(reqs, rows, logits, prop, *rest)
-        for b, path in paths.items():
-            rank = tree_mod.sibling_rank(prop.parents[b, : int(prop.num_draft[b])])
-            later.extend(j for j in path if rank[j] > 0)
-        return paths
-    trees.verify_rows = spy
-    try:
-        yield later
-    finally:
-        trees.verify_rows = real
 
 
 def _max_diff(a: dict, b: dict) -> float:

@@ -43,9 +43,45 @@ CHAT_TEMPLATES = [
     "Write a friendly letter to a friend telling them about {t}.",
     "List some interesting facts about {t} and explain each one.",
     "What questions should I ask an expert on {t}?",
+    # (the forms people ask in: why and how questions, requests for ideas, messages, plans)
+    "How does {t} work?",
+    "Why do people care so much about {t}?",
+    "What is {t}, in simple terms?",
+    "Can you give me a quick overview of {t}?",
+    "I'm writing a school report on {t}. Where should I start?",
+    "What are three surprising things about {t}?",
+    "Write a short email to my team sharing a fun fact about {t}.",
+    "Write a text message inviting a friend to an event about {t}.",
+    "Give me an idea for a weekend project involving {t}.",
+    "What is the difference between {t} and {u}?",
+    "How are {t} and {u} connected?",
+    "Describe a typical day for someone who works with {t}.",
+    "What mistakes do people often make with {t}?",
+    "Tell me a joke about {t}, then explain why it is funny.",
+    "Write a haiku about {t}.",
+    "Write a product description for a book about {t}.",
+    "Summarise the plot of a novel you would write about {t}.",
+    "What will {t} look like in fifty years?",
+    "Give me a step-by-step plan to learn about {t} in one month.",
+    "What are good habits for someone interested in {t}?",
+    "Describe {t} to someone who has never heard of it.",
+    "Write a dialogue between two friends arguing about {t}.",
+    "What is the most important thing to understand about {t}?",
+    "Write a motivational speech that mentions {t}.",
+    "What are some good questions for a quiz about {t}?",
+    "Explain {t} using an everyday analogy.",
+    "Write a diary entry from someone who just discovered {t}.",
+    "Is {t} overrated? Give both sides.",
+    "What should a tourist know about {t}?",
+    "Write a short news report about a new discovery related to {t}.",
+    "Give me a checklist for getting started with {t}.",
+    "How has {t} changed over the last century?",
+    "Write a limerick about {t}.",
+    "What are the environmental effects of {t}?",
+    "Describe {t} in exactly three sentences.",
 ]
 
-CHAT_TOPICS = [
+CHAT_TOPICS = [  # none the subject of a benchmark chat prompt (those are held out)
     "photosynthesis", "the water cycle", "volcanoes", "black holes", "the moon landing",
     "honey bees", "compound interest", "learning a new language", "jazz music", "the Roman empire",
     "sleep hygiene", "electric cars", "recycling plastic", "coral reefs", "chess openings",
@@ -64,12 +100,31 @@ CHAT_TOPICS = [
     "farming", "the Silk Road", "submarines", "glaciers", "hot air balloons", "pirates",
     "wolves", "tornadoes", "the Great Wall of China", "writing a resume", "teamwork",
     "smartphones", "knitting", "astronauts", "fossils", "the rule of law", "democracy",
-    "artificial intelligence", "rainbows", "photography", "skateboarding", "lighthouses at night",
+    "artificial intelligence", "rainbows", "photography", "skateboarding", "canals",
+    "mushrooms", "the Renaissance", "budget travel", "houseplants", "thunderstorms", "the Moon's phases",
+    "honeycomb structures", "street food", "sign language", "lightning", "the Amazon river", "owls",
+    "cheese making", "handwriting", "magnets", "the Vikings", "family dinners", "electric guitars",
+    "hot springs", "composting", "nuclear power", "sourdough", "the Sahara", "sharks",
+    "cloud computing", "opera", "first aid", "bees and flowers", "the metric system", "waterfalls",
+    "carpentry", "the Northern Lights", "baseball", "tides and the Moon", "spiders", "glassblowing",
+    "quantum computers", "tulips", "dog training", "chocolate", "the Arctic", "kites",
+    "ancient Greece", "hydroelectric dams", "poetry slams", "traffic lights", "sea turtles", "maps",
+    "the Industrial Revolution", "cooking with spices", "mindfulness at work", "jellyfish", "umbrellas",
+    "the speed of light", "sand dunes", "space stations", "comic books", "clocks", "hiking boots",
+    "the Internet of Things", "wildfires", "bamboo", "ballet", "the postal service", "frogs",
+    "3D printing", "ice cream", "mountains", "the Amazon rainforest's animals", "calligraphy",
+    "rock climbing", "the human skeleton", "salt", "caves", "email etiquette", "whales", "castles",
+    "electric bicycles", "windmills", "the history of money", "paper", "soccer", "ferries",
+    "rivers and floods", "stars", "typewriters", "gratitude", "the Pacific Ocean", "cacti",
+    "urban gardening", "remote work", "ants", "volcanic islands", "the telescope", "cookbooks",
 ]
 
 
 def chat_prompts() -> list[str]:
-    return [t.format(t=topic) for topic in CHAT_TOPICS for t in CHAT_TEMPLATES]
+    """Every template with every topic ({u}: a second topic, a fixed stride away)."""
+    n = len(CHAT_TOPICS)
+    return [t.format(t=topic, u=CHAT_TOPICS[(i + 37) % n]) for i, topic in enumerate(CHAT_TOPICS)
+            for t in CHAT_TEMPLATES]
 
 
 def _stdlib_files() -> list[Path]:
@@ -79,8 +134,8 @@ def _stdlib_files() -> list[Path]:
 
 
 def code_prompts(limit: int | None = None) -> list[str]:
-    """'Complete this Python function' tasks: each a standard-library function's signature and
-    docstring (public functions with a docstring of 2+ lines), HumanEval's format."""
+    """'Complete this Python function' tasks: each a standard-library function's or public
+    method's signature and docstring (docstrings of 2+ lines), HumanEval's format."""
     out = []
     for path in _stdlib_files():
         try:
@@ -88,28 +143,37 @@ def code_prompts(limit: int | None = None) -> list[str]:
         except (SyntaxError, UnicodeDecodeError, OSError):
             continue
         for node in tree.body:
-            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
-                continue
-            doc = ast.get_docstring(node)
-            if not doc or doc.count("\n") < 1 or len(doc) > 1200:
-                continue
-            args = ast.unparse(node.args)
-            ret = f" -> {ast.unparse(node.returns)}" if node.returns else ""
-            body = "\n".join("    " + line if line else "" for line in doc.splitlines())
-            code = f"def {node.name}({args}){ret}:\n    \"\"\"{body.strip()}\n    \"\"\"\n"
-            out.append(f"Complete this Python function. Reply with code only.\n\n```python\n{code}```")
-    return out[:limit] if limit else out
+            if isinstance(node, ast.FunctionDef) and (code := _stub(node, "")):
+                out.append(code)
+            elif isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                out += [f"class {node.name}:\n{code}" for f in node.body
+                        if isinstance(f, ast.FunctionDef) and (code := _stub(f, "    "))]
+    return [f"Complete this Python function. Reply with code only.\n\n```python\n{c}```"
+            for c in (out[:limit] if limit else out)]
+
+
+def _stub(node: ast.FunctionDef, indent: str) -> str | None:
+    """A public function's signature and docstring, indented; None without a 2+ line docstring."""
+    doc = ast.get_docstring(node)
+    if node.name.startswith("_") or not doc or doc.count("\n") < 1 or len(doc) > 1200:
+        return None
+    args = ast.unparse(node.args)
+    ret = f" -> {ast.unparse(node.returns)}" if node.returns else ""
+    body = "\n".join(indent + "    " + line if line else "" for line in doc.splitlines())
+    return f'{indent}def {node.name}({args}){ret}:\n{indent}    """{body.strip()}\n{indent}    """\n'
 
 
 def training_prompts(seed: int, n_code: int | None = None, n_chat: int | None = None) -> list[tuple[str, str]]:
-    """[(kind, prompt)] shuffled with `seed`: code and chat interleaved."""
+    """[(kind, prompt)] shuffled with `seed`, code and chat alternating (a harvest cut short by
+    its budget has as many of each) until one kind runs out."""
     rng = random.Random(seed)
     code, chat = code_prompts(), chat_prompts()
     rng.shuffle(code)
     rng.shuffle(chat)
     code, chat = code[:n_code] if n_code else code, chat[:n_chat] if n_chat else chat
-    items = [("code", p) for p in code] + [("chat", p) for p in chat]
-    rng.shuffle(items)
+    items = []
+    for i in range(max(len(code), len(chat))):
+        items += [("code", p) for p in code[i: i + 1]] + [("chat", p) for p in chat[i: i + 1]]
     return items
 
 

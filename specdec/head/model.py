@@ -227,33 +227,43 @@ class DraftHead(nn.Module):
 
     # ---- drafting: the cached forward -------------------------------------------------------
     def step(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-             cache: HeadCache, rows: list[int]) -> torch.Tensor:
-        """g [B, T, d] for pairs at `positions` [B, T] (= their slots) of cache `rows`; writes
-        their KV. Each query attends the row's slots start..its own position."""
+             cache: HeadCache, rows: list[int], mask: torch.Tensor | None = None,
+             slots: torch.Tensor | None = None) -> torch.Tensor:
+        """g [B, T, d] for pairs at `positions` [B, T] of cache `rows`; writes their KV at their
+        positions, or at `slots` [B, T] with a draft tree's `mask` [B, T, T] (which new pairs
+        each new pair sees: its ancestors and itself). Each query attends the row's slots from
+        `start` up to its own position, or with a tree those before the first new slot."""
         if self._kernels is not None and not any(cache.start[r] for r in rows):
-            return self._step_layer(feats, tokens, positions, cache, rows)
-        return self._step_torch(feats, tokens, positions, cache, rows)
+            return self._step_layer(feats, tokens, positions, cache, rows, mask, slots)
+        return self._step_torch(feats, tokens, positions, cache, rows, mask, slots)
 
     def _step_torch(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-                    cache: HeadCache, rows: list[int]) -> torch.Tensor:
+                    cache: HeadCache, rows: list[int], mask: torch.Tensor | None = None,
+                    slots: torch.Tensor | None = None) -> torch.Tensor:
         """`step` in torch ops (training's pieces; a row whose cache starts past slot 0)."""
         z = self._input(feats, tokens)
         q, k, v = self._qkv(z, positions)
         ix = torch.tensor(rows)
         B, T = positions.shape
+        where = positions if slots is None else slots
         bi = ix.view(B, 1).expand(B, T)
-        cache.k[bi, :, positions] = k.transpose(1, 2)
-        cache.v[bi, :, positions] = v.transpose(1, 2)
-        S = int(positions.max()) + 1
+        cache.k[bi, :, where] = k.transpose(1, 2)
+        cache.v[bi, :, where] = v.transpose(1, 2)
+        S = int(where.max()) + 1
         K, V = cache.k[ix, :, :S], cache.v[ix, :, :S]  # [B, Hkv, S, D]
-        slot = torch.arange(S)
+        slot = torch.arange(S).view(1, 1, S)
         start = torch.tensor([cache.start[r] for r in rows]).view(B, 1, 1)
-        mask = (slot.view(1, 1, S) <= positions.unsqueeze(2)) & (slot.view(1, 1, S) >= start)
-        o = F.scaled_dot_product_attention(q, K, V, attn_mask=mask.unsqueeze(1), enable_gqa=True)
+        if mask is None:
+            allowed = (slot <= positions.unsqueeze(2)) & (slot >= start)
+        else:  # history: the slots before the tree's first; then the tree's own mask
+            allowed = ((slot < where[:, :1].unsqueeze(2)) & (slot >= start)).expand(B, T, S).clone()
+            allowed.scatter_(2, where.unsqueeze(1).expand(B, T, T), mask)
+        o = F.scaled_dot_product_attention(q, K, V, attn_mask=allowed.unsqueeze(1), enable_gqa=True)
         return self._finish(z, o)
 
     def _step_layer(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-                    cache: HeadCache, rows: list[int]) -> torch.Tensor:
+                    cache: HeadCache, rows: list[int], mask: torch.Tensor | None = None,
+                    slots: torch.Tensor | None = None) -> torch.Tensor:
         """`step` for a prepared head whose rows' caches start at slot 0: the same layer on the
         runtime's fused glue (the target's own decoder-layer path: norms, RoPE, KV write and
         attention in one call each), a dozen calls where the torch ops are sixty; a draft step
@@ -261,7 +271,7 @@ class DraftHead(nn.Module):
         c, k = self.cfg, self._kernels
         eps = c.norm_eps
         self.rope(positions)  # (grows the tables to cover positions)
-        st = fused.plan(positions, torch.tensor(rows, dtype=torch.int64), None, *self._rope)
+        st = fused.plan(positions, torch.tensor(rows, dtype=torch.int64), mask, *self._rope, slots=slots)
         norm = fused.add_rms_norm
         e = self.embed[tokens]
         f = feats.float().contiguous()

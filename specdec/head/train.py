@@ -46,6 +46,7 @@ from specdec.tools.prompts import CHAT_PROMPTS, humaneval
 
 STEP_WEIGHTS = (1.0, 0.8, 0.6, 0.5, 0.4)  # loss weight of each unrolled draft step
 REGRESSION = 0.5  # weight of the feature regression beside the distribution's cross-entropy
+TOP_W = 4  # held-out: how often the next token is among the first draft's top 1..TOP_W
 WINDOW = 384  # positions per training window
 CHECKPOINT_S = 60.0  # seconds between checkpoints (a stopped run loses at most this much training)
 
@@ -159,9 +160,12 @@ def acceptance(head: DraftHead, seqs: list[Sequence], k: int = 5) -> dict:
     """Exact greedy acceptance on the target's greedy answers: from every answer position, the
     head drafts k tokens as it would in decoding (true pairs up to there, then its own predicted
     features); accepted = the drafts equal to the target's next tokens, up to the first miss.
-    Returns per-position acceptance rates (given the earlier ones accepted) and the mean tokens
-    per round (accepted + 1) for k = 1..k."""
+    Returns per-position acceptance rates (given the earlier ones accepted), the mean tokens
+    per round (accepted + 1) for k = 1..k, and how often the next token is among the first
+    draft's top w (w = 1..TOP_W: what a draft tree of w first children can accept, greedy)."""
     acc = torch.zeros(k + 1)  # rounds whose run of accepted drafts is >= s, s = 0..k
+    W = min(TOP_W, len(head.vocab))
+    in_top = torch.zeros(W)  # rounds whose next token is among the first draft's top w
     rounds = 0
     for s in seqs:
         n = len(s.hidden) - 1  # pairs 0..n-1 with hidden; we need tokens up to j + k + 1
@@ -173,9 +177,13 @@ def acceptance(head: DraftHead, seqs: list[Sequence], k: int = 5) -> dict:
         gs = head.unroll(feats, tokens, torch.arange(T).unsqueeze(0), k)
         drafts = torch.stack([head.logits(g[0]).argmax(-1) for g in gs])  # [k, T] draft-vocab index
         drafts = head.vocab[drafts]
+        top = head.vocab[head.logits(gs[0][0]).topk(W, -1).indices]  # [T, W] the first draft's
         truth = torch.tensor(s.tokens)
         starts = range(max(s.prompt_len - 1, 0), T - k)  # round starts inside the answer
         for j0 in starts:
+            hit = (top[j0] == truth[j0 + 2]).nonzero()
+            if len(hit):
+                in_top[int(hit[0, 0]):] += 1
             run = 0
             while run < k and int(drafts[run, j0 + run]) == int(truth[j0 + run + 2]):
                 run += 1
@@ -186,7 +194,8 @@ def acceptance(head: DraftHead, seqs: list[Sequence], k: int = 5) -> dict:
     at = (acc[1:] / acc[:-1].clamp(min=1)).tolist()  # P(draft s accepted | drafts < s accepted)
     mean = [1 + float(acc[1: kk + 1].sum() / rounds) for kk in range(1, k + 1)]
     return {"rounds": rounds, "acceptance_at": [round(a, 4) for a in at],
-            "tokens_per_round": {str(kk): round(m, 3) for kk, m in zip(range(1, k + 1), mean)}}
+            "tokens_per_round": {str(kk): round(m, 3) for kk, m in zip(range(1, k + 1), mean)},
+            "first_in_top": {str(w + 1): round(float(in_top[w]) / rounds, 4) for w in range(W)}}
 
 
 def held_out_sequences(model, tokenizer, st: TrainSettings) -> dict[str, list[Sequence]]:
@@ -473,7 +482,9 @@ def cmd_train_head(a) -> int:
         if r.get("rounds"):
             per = ", ".join(f"{x:.2f}" for x in r["acceptance_at"])
             console.print(f"held-out {name}: acceptance per draft position [{per}]; tokens per round "
-                          + ", ".join(f"k={k}: {v:.2f}" for k, v in r["tokens_per_round"].items()))
+                          + ", ".join(f"k={k}: {v:.2f}" for k, v in r["tokens_per_round"].items())
+                          + "; next token in the first draft's top w: "
+                          + ", ".join(f"w={w}: {v:.2f}" for w, v in r.get("first_in_top", {}).items()))
     console.print(f"head written to {st.out} ({sum(p.stat().st_size for p in st.out.glob('head.*')) / 1e6:.1f} MB)")
     print(json.dumps({"command": "train-head", "model": str(a.model), "out": str(st.out),
                       "seconds": round(time.monotonic() - t0, 1), **{k: cfg[k] for k in ("train", "held_out")}}))

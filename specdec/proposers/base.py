@@ -13,9 +13,12 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import torch
+
 from specdec.errors import SpecdecError
 from specdec.request import Request
 from specdec.round import Candidate, Proposal, RowResult
+from specdec.tree import pack_shapes, tree_ok
 
 __all__ = ["Candidate", "Proposal", "Proposer", "ProposerBase"]
 
@@ -111,7 +114,7 @@ class ProposerBase:
         return [Candidate(self.name, k)] if k > 0 else []
 
     def propose_tree(self, reqs: list[Request], shapes: list) -> Proposal:
-        raise SpecdecError(f"proposer {self.name!r} does not draft trees; draft_tree needs a draft model",
+        raise SpecdecError(f"proposer {self.name!r} does not draft trees; draft_tree needs a draft model or a head",
                            "draft_tree")
 
     def accept(self, req: Request, result: RowResult) -> None:
@@ -125,3 +128,36 @@ class ProposerBase:
 
     def evict(self, row: int) -> None:
         pass
+
+    def tree_round(self, reqs, shapes: list, grown: list[int], grow, V: int, device=None) -> Proposal:
+        """A draft-tree round's Proposal. Rows the tree verifier does not serve (penalties,
+        grammars, log-probabilities) were given a chain and draft it with `propose` (their q
+        too); rows in `grown` draft their trees with grow(reqs, shapes, N) -> (tokens [n, N],
+        valid [n, N], q [n, N, V] or None); any other row drafts nothing."""
+        parents, num = pack_shapes(shapes)
+        B, N = parents.shape
+        tokens = torch.zeros(B, N, dtype=torch.long, device=device)
+        valid = torch.zeros(B, N, dtype=torch.bool)
+        chains = [b for b, s in enumerate(shapes) if len(s) and not tree_ok(reqs[b].params)]
+        q = None
+        if chains:
+            sub = self.propose([reqs[b] for b in chains], [len(shapes[b]) for b in chains])
+            w = sub.tokens.shape[1]
+            ix = torch.tensor(chains)
+            tokens[ix, :w] = sub.tokens
+            num[ix] = sub.num_draft.cpu()
+            valid[ix, :w] = torch.arange(w).view(1, w) < num[ix].view(-1, 1)
+            if sub.q is not None:
+                q = torch.zeros(B, N, V, device=device)
+                q[ix, :w] = sub.q
+        for b in set(range(B)) - set(chains) - set(grown):
+            num[b] = 0
+        if grown:
+            tok, ok, q_tree = grow([reqs[b] for b in grown], [shapes[b] for b in grown], N)
+            ix = torch.tensor(grown)
+            tokens[ix], valid[ix] = tok, ok
+            if q_tree is not None:
+                q = torch.zeros(B, N, V, device=device) if q is None else q
+                q[ix] = q_tree
+        return Proposal(tokens=tokens, num_draft=num, q=q, parents=parents.to(tokens.device),
+                        valid=valid.to(tokens.device))

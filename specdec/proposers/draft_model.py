@@ -133,38 +133,13 @@ class DraftModelProposer(ProposerBase):
         """A tree per row: shapes[b] its parents [N_b] (empty: no drafts). Rows the tree verifier
         does not serve (penalties, grammars, log-probabilities) were given a chain
         and draft it as `propose` does, with their q."""
-        B, N = len(reqs), max(len(s) for s in shapes)
-        dev = self.model.device
-        tokens = torch.zeros(B, N, dtype=torch.long, device=dev)
-        parents = torch.full((B, N), -1, dtype=torch.long)
-        valid = torch.zeros(B, N, dtype=torch.bool)
-        num = torch.tensor([len(s) for s in shapes], dtype=torch.long)
-        for b, s in enumerate(shapes):
-            parents[b, : len(s)] = s
-        chains = [b for b, s in enumerate(shapes) if len(s) and not tree_ok(reqs[b].params)]
         grown = [b for b, s in enumerate(shapes) if len(s) and tree_ok(reqs[b].params)]
-        q = None
-        if chains:
-            sub = self.propose([reqs[b] for b in chains], [len(shapes[b]) for b in chains])
-            w = sub.tokens.shape[1]
-            ix = torch.tensor(chains)
-            tokens[ix, :w] = sub.tokens
-            valid[ix, :w] = True
-            if sub.q is not None:
-                q = torch.zeros(B, N, self.V, device=dev)
-                q[ix, :w] = sub.q
-        if grown:
-            tok, ok, q_tree = self._grow([reqs[b] for b in grown], [shapes[b] for b in grown], N)
-            ix = torch.tensor(grown)
-            tokens[ix], valid[ix] = tok, ok
-            if q_tree is not None:
-                q = torch.zeros(B, N, self.V, device=dev) if q is None else q
-                q[ix] = q_tree
+        prop = self.tree_round(reqs, shapes, grown, self._grow, self.V, self.model.device)
         for b, s in enumerate(shapes):
             if not len(s):  # (accept then leaves its cache alone)
                 self._L.pop(reqs[b].row, None)
                 self._last_k.pop(reqs[b].row, None)
-        return Proposal(tokens=tokens, num_draft=num, q=q, parents=parents.to(dev), valid=valid.to(dev))
+        return prop
 
     def _grow(self, reqs, shapes: list[torch.Tensor], N: int):
         """(tokens [n, N], valid [n, N], q [n, N, V] or None) of each row's tree, level by level."""
@@ -184,7 +159,8 @@ class DraftModelProposer(ProposerBase):
         dep = [depths(s)[1:] for s in shapes]  # [N_b] depth of each node (1: the root's children)
         kids = [children(s) for s in shapes]  # [N_b + 1]: the root's children, then each node's
         for b, r in enumerate(reqs):
-            self._fill(r, root[b], kids[b][0], tokens[b], valid[b], True, 0, None if q is None else q[b])
+            fill_children(r, root[b], kids[b][0], tokens[b], valid[b], True, 0, None if q is None else q[b],
+                          self.draft_sampling)
         for d in range(2, max(int(x.max()) for x in dep) + 1):
             # every node above depth d, each row's in one forward (breadth-first: a prefix of nodes)
             m = [int((x < d).sum()) for x in dep]
@@ -209,36 +185,9 @@ class DraftModelProposer(ProposerBase):
             for b, r in enumerate(reqs):
                 for i, j in enumerate(need[b]):
                     if kids[b][j + 1]:
-                        self._fill(r, lg[b, i], kids[b][j + 1], tokens[b], valid[b], bool(valid[b, j]), d - 1,
-                                   None if q is None else q[b])
+                        fill_children(r, lg[b, i], kids[b][j + 1], tokens[b], valid[b], bool(valid[b, j]), d - 1,
+                                      None if q is None else q[b], self.draft_sampling)
         return tokens.to(dev), valid, None if q is None else q.to(dev)
-
-    def _fill(self, req, logits: torch.Tensor, nodes: list[int], tokens, valid, parent_valid: bool,
-              offset: int, q: torch.Tensor | None) -> None:
-        """The children `nodes` of one node. Sampling with draft_sampling "probabilistic": draws
-        without replacement from q (the draft's distribution after the request's transforms),
-        each child's q (earlier siblings removed, renormalised) recorded in q [N, V] for the
-        verifier. Otherwise deterministic: the top len(nodes) tokens under the transforms (the
-        argmax first for greedy; for seed-stable rows with the Gumbel noise of the children's
-        output position, `offset` past the committed ones, so the first is the coupled draft).
-        A node with no candidate left (q's support used up, or under an invalid parent) is invalid."""
-        if not nodes:
-            return
-        p = req.params
-        lg = logits.float().unsqueeze(0)
-        if not p.greedy and (p.stable or self.draft_sampling != "greedy"):
-            lg = sampling.filter_logits(lg, p)
-        if q is not None and not p.greedy and not p.stable:
-            tok, q_child, ok = draft_children(lg.softmax(-1), len(nodes), req.rng)
-            for i, j in enumerate(nodes):
-                tokens[j], valid[j], q[j] = tok[0, i], parent_valid and bool(ok[0, i]), q_child[0, i]
-            return
-        if not p.greedy and p.stable:
-            lg = lg + rejection.stable_noise([req], [0], 1, lg.shape[-1], lg.device, start=offset)
-        top = lg[0].topk(len(nodes))
-        for j, t, v in zip(nodes, top.indices.tolist(), top.values.tolist()):
-            tokens[j] = t
-            valid[j] = parent_valid and v != float("-inf")
 
     def _propose_rows(self, reqs, ks: list[int], live: list[int]) -> Proposal:
         """Draft for the `live` rows only; the others get 0 drafts and keep their KV as it is
@@ -318,3 +267,32 @@ def draw(logits: torch.Tensor, reqs, drafted: torch.Tensor, live: set[int], draf
             d[ix] = rng.categorical(probs)
             q[ix] = probs
     return d, q, dead
+
+
+def fill_children(req, logits: torch.Tensor, nodes: list[int], tokens, valid, parent_valid: bool,
+                  offset: int, q: torch.Tensor | None, draft_sampling: str) -> None:
+    """Draft the children `nodes` of one tree node from its logits [V] (a draft model's or a
+    head's). Sampling with draft_sampling "probabilistic": draws without replacement from q (the
+    draft's distribution after the request's transforms), each child's q (earlier siblings
+    removed, renormalised) recorded in q [N, V] for the verifier. Otherwise deterministic: the top
+    len(nodes) tokens under the transforms (the argmax first for greedy; for seed-stable rows with
+    the Gumbel noise of the children's output position, `offset` past the committed ones, so the
+    first is the coupled draft). A node with no candidate left (q's support used up, -inf logits
+    outside a head's draft vocabulary, or under an invalid parent) is invalid."""
+    if not nodes:
+        return
+    p = req.params
+    lg = logits.float().unsqueeze(0)
+    if not p.greedy and (p.stable or draft_sampling != "greedy"):
+        lg = sampling.filter_logits(lg, p)
+    if q is not None and not p.greedy and not p.stable:
+        tok, q_child, ok = draft_children(lg.softmax(-1), len(nodes), req.rng)
+        for i, j in enumerate(nodes):
+            tokens[j], valid[j], q[j] = tok[0, i], parent_valid and bool(ok[0, i]), q_child[0, i]
+        return
+    if not p.greedy and p.stable:
+        lg = lg + rejection.stable_noise([req], [0], 1, lg.shape[-1], lg.device, start=offset)
+    top = lg[0].topk(len(nodes))
+    for j, t, v in zip(nodes, top.indices.tolist(), top.values.tolist()):
+        tokens[j] = t
+        valid[j] = parent_valid and v != float("-inf")

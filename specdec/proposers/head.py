@@ -23,10 +23,11 @@ import torch
 
 from specdec.head.model import DraftHead, HeadCache
 from specdec.proposers.base import Proposal, ProposerBase
-from specdec.proposers.draft_model import draw
+from specdec.proposers.draft_model import draw, fill_children
 from specdec.round import RowResult
 from specdec.runtime.kernels import linear, prepare_weight
 from specdec.runtime.kv_cache import common_prefix
+from specdec.tree import ancestor_mask, children, depths, tree_ok
 
 
 class HeadProposer(ProposerBase):
@@ -219,3 +220,82 @@ class HeadProposer(ProposerBase):
                 self.forwards += 1
         return Proposal(tokens=drafts, num_draft=num_draft, q=q_all)
 
+    # ---- trees ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose_tree(self, reqs, shapes: list[torch.Tensor]) -> Proposal:
+        """A tree per row: shapes[b] its parents [N_b] (empty: no drafts). Rows the tree verifier
+        does not serve (penalties, grammars, log-probabilities) were given a chain and draft it
+        as `propose` does; a row with no pairs to draft from drafts nothing."""
+        chunks = {b: c for b, s in enumerate(shapes)
+                  if len(s) and tree_ok(reqs[b].params) and (c := self._pairs(reqs[b])) is not None}
+        return self.tree_round(reqs, shapes, list(chunks),
+                               lambda rs, ss, N: self._grow(rs, ss, list(chunks.values()), N), self.V)
+
+    def _grow(self, reqs, shapes: list[torch.Tensor], chunks, N: int):
+        """(tokens [n, N], valid [n, N], q [n, N, V] or None) of each row's tree, level by level.
+        The row's pending true pairs give g at the root; a node j at depth t is the pair
+        (g of its parent, its token) at position fed + t - 1 and slot fed + j, attending the true
+        pairs and its ancestors. Each level feeds every node above it (the runtime's tree
+        attention sees the slots before the first new one as history), its children drafted
+        from the level's new nodes. Afterwards the head keeps only the true pairs."""
+        n = len(reqs)
+        needs_q = self.draft_sampling == "probabilistic" and any(
+            not r.params.greedy and not r.params.stable for r in reqs)
+        q = torch.zeros(n, N, self.V) if needs_q else None
+        last = torch.tensor([len(c[1]) - 1 for c in chunks])
+        g_root = self._feed(reqs, chunks)[torch.arange(n), last]  # [n, d]
+        for r, c in zip(reqs, chunks):
+            self._consume(r, len(c[1]))
+        fed = [self._fed[r.row] for r in reqs]
+        tokens = torch.zeros(n, N, dtype=torch.long)
+        valid = torch.zeros(n, N, dtype=torch.bool)
+        dep = [depths(s)[1:] for s in shapes]  # [N_b] depth of each node (1: the root's children)
+        kids = [children(s) for s in shapes]  # [N_b + 1]: the root's children, then each node's
+        g_node = torch.zeros(n, N, self.head.cfg.dim)  # each node's predicted feature
+        self._children(reqs, g_root, [(b, kids[b][0], True) for b in range(n)], tokens, valid, 0, q)
+        for d in range(2, max(int(x.max()) for x in dep) + 1):
+            m = [int((x < d).sum()) for x in dep]  # nodes above depth d (a prefix: breadth-first)
+            M = max(m)
+            feats = torch.zeros(n, M, self.head.cfg.dim)
+            feed = torch.zeros(n, M, dtype=torch.long)
+            positions = torch.zeros(n, M, dtype=torch.long)
+            slots = torch.zeros(n, M, dtype=torch.long)
+            mask = torch.eye(M, dtype=torch.bool).repeat(n, 1, 1)
+            for b in range(n):
+                s = shapes[b][: m[b]]
+                feats[b, : m[b]] = torch.stack([g_root[b] if int(p) < 0 else g_node[b, int(p)] for p in s])
+                feed[b, : m[b]] = tokens[b, : m[b]]
+                positions[b] = fed[b]  # (padding: its own slot only)
+                positions[b, : m[b]] = fed[b] + dep[b][: m[b]] - 1
+                slots[b] = fed[b] + torch.arange(M)
+                mask[b, : m[b], : m[b]] = ancestor_mask(s)[1:, 1:]
+            t0 = time.perf_counter()
+            g = self.head.step(feats, feed, positions.clamp(max=self.capacity - 1), self.cache,
+                               [r.row for r in reqs], mask=mask, slots=slots.clamp(max=self.capacity - 1))
+            self.forward_time += time.perf_counter() - t0
+            self.forwards += 1
+            new = [[j for j in range(m[b]) if int(dep[b][j]) == d - 1] for b in range(n)]
+            for b in range(n):
+                g_node[b, new[b]] = g[b, new[b]]
+            need = [(b, j) for b in range(n) for j in new[b] if kids[b][j + 1]]
+            if need:
+                self._children(reqs, torch.stack([g[b, j] for b, j in need]),
+                               [(b, kids[b][j + 1], bool(valid[b, j])) for b, j in need], tokens, valid, d - 1, q)
+        return tokens, valid, q
+
+    def _children(self, reqs, g: torch.Tensor, todo, tokens, valid, offset: int, q) -> None:
+        """Draft the children of nodes: g [m, d] their features, todo[i] = (row, child nodes,
+        parent valid). Greedy rows take their top tokens on the draft vocabulary itself (no
+        full-vocabulary logits); others go through the request's transforms (fill_children)."""
+        if all(reqs[b].params.greedy for b, _, _ in todo):
+            lg = linear(g, self.rows_out)  # [m, Vd']
+            for i, (b, nodes, ok) in enumerate(todo):
+                top = lg[i].topk(min(len(nodes), lg.shape[1])).indices
+                for c, j in enumerate(nodes):
+                    if c < len(top):
+                        tokens[b, j], valid[b, j] = self.ids[top[c]], ok
+            return
+        logits = self._logits(g)
+        for i, (b, nodes, ok) in enumerate(todo):
+            fill_children(reqs[b], logits[i], nodes, tokens[b], valid[b], ok, offset,
+                          None if q is None else q[b], self.draft_sampling)
