@@ -39,7 +39,8 @@ def step_ab(models, head_dir: str | None, model: str, reps: int = 300) -> dict:
     head = load_head(head_dir or shipped_head(model), target).prepare()
     d = head.cfg.dim
     g = torch.Generator().manual_seed(0)
-    feats, toks = torch.randn(1, 256, d, generator=g), torch.randint(0, 1000, (1, 256), generator=g)
+    feats = torch.randn(1, 256, head.cfg.feature_dim, generator=g)  # the target's features (taps, f_j)
+    toks = torch.randint(0, 1000, (1, 256), generator=g)
     caches = {n: HeadCache(1, head.cfg.n_kv_heads, head.cfg.head_dim, 512) for n in ("fused", "torch")}
     fns = {"fused": head._step_layer, "torch": head._step_torch}
     tcache = target.new_cache(1, 512)
@@ -48,7 +49,7 @@ def step_ab(models, head_dir: str | None, model: str, reps: int = 300) -> dict:
         for n, fn in fns.items():
             fn(feats, toks, torch.arange(256).view(1, -1), caches[n], [0])
         times = {"fused": [], "torch": [], "target": []}
-        f1, t1, p1 = feats[:, :1], toks[:, :1], torch.tensor([[256]])
+        f1, t1, p1 = feats[:, :1, -d:], toks[:, :1], torch.tensor([[256]])  # a draft step feeds its own g
         for _ in range(reps):
             for n, fn in fns.items():
                 t0 = time.perf_counter()

@@ -33,6 +33,7 @@ from specdec.tools.distribution import (chi_square, engine_joint_exact, noncentr
 
 PROMPT = [1, 2, 3]
 KW = dict(vocab=4, dim=16, layers=1, heads=2, kv_heads=1, inter=16, max_seq_len=64)
+TAP_KW = dict(KW, layers=2)
 SETTINGS = {
     "plain": dict(temperature=1.0),
     "temp0.6_topk2": dict(temperature=0.6, top_k=2),
@@ -41,8 +42,9 @@ SETTINGS = {
 }
 
 
-def target_sequences(target, n: int, length: int, seed: int) -> list[Sequence]:
-    """Sequences sampled from the target at T = 1, with its final hidden states (teacher forcing)."""
+def target_sequences(target, n: int, length: int, seed: int, taps: tuple[int, ...] = ()) -> list[Sequence]:
+    """Sequences sampled from the target at T = 1, with its final hidden states (and the taps'
+    streams before them; teacher forcing)."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
@@ -53,16 +55,16 @@ def target_sequences(target, n: int, length: int, seed: int) -> list[Sequence]:
             toks.append(int(torch.multinomial(lg.softmax(-1), 1, generator=g)))
         cache = target.new_cache(1, 64)
         _, h = target.forward(torch.tensor([toks[:-1]]), torch.arange(len(toks) - 1).view(1, -1), cache,
-                              return_hidden=True)
+                              return_hidden=True, taps=taps)
         out.append(Sequence(toks, h[0].clone(), 1, "test"))
     return out
 
 
-def train_tiny_head(target, draft_vocab: int, steps: int = 40, seed: int = 0):
+def train_tiny_head(target, draft_vocab: int, steps: int = 40, seed: int = 0, taps: tuple[int, ...] = ()):
     """(head, top-1 agreement before, after) trained on the target's own samples."""
     torch.manual_seed(seed)
-    seqs = target_sequences(target, 24, 14, seed)
-    cfg = HeadConfig.for_target(target.args, "tiny", "", draft_vocab, 16)
+    seqs = target_sequences(target, 24, 14, seed, taps)
+    cfg = HeadConfig.for_target(target.args, "tiny", "", draft_vocab, 16, taps)
     head = DraftHead(cfg)
     head.vocab = draft_vocabulary(seqs, draft_vocab, 4, set())
     attach(head, target)
@@ -71,7 +73,7 @@ def train_tiny_head(target, draft_vocab: int, steps: int = 40, seed: int = 0):
     agree = []
     for i in range(steps):
         for batch in batches(wins, 4096, random.Random(i)):
-            loss, a = loss_fn(head, *collate(seqs, batch, cfg.dim), steps=2)
+            loss, a = loss_fn(head, *collate(seqs, batch, cfg.dim, cfg.feature_dim), steps=2)
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -88,6 +90,17 @@ def tiny():
     return target, head
 
 
+@pytest.fixture(scope="module")
+def tapped():
+    """A head that also reads the residual stream after the target's first layer (EAGLE-3's
+    fused features), on a two-layer tiny target."""
+    torch.set_num_threads(1)
+    target = tiny_model(seed=31, scale=0.6, **TAP_KW)
+    head, before, after = train_tiny_head(target, draft_vocab=3, taps=(0,))
+    assert after > before and head.cfg.feature_dim == 2 * KW["dim"]
+    return target, head
+
+
 def head_engine(target, head, k, draft_sampling="probabilistic", max_batch=1):
     models = Models(target, None, None, 4, "target", None)
     models.heads["tiny"] = head
@@ -100,11 +113,13 @@ def _max_diff(a: dict, b: dict) -> float:
 
 
 # ---- the head itself ---------------------------------------------------------------------------
-def test_training_unroll_equals_cached_drafting(tiny):
+@pytest.mark.parametrize("which", ["tiny", "tapped"])
+def test_training_unroll_equals_cached_drafting(which, request):
     """Training's step-s output at pair j is what drafting computes there: the cached forward over
-    the true pairs, then s - 1 steps each fed its own predicted feature and the next token."""
-    target, head = tiny
-    seq = target_sequences(target, 1, 12, seed=5)[0]
+    the true pairs, then s - 1 steps each fed its own predicted feature and the next token (a
+    head with taps: the target's fused features for true pairs, its own g for drafted ones)."""
+    target, head = request.getfixturevalue(which)
+    seq = target_sequences(target, 1, 12, seed=5, taps=tuple(head.cfg.taps))[0]
     T = len(seq.hidden)
     feats, toks = seq.hidden.unsqueeze(0), torch.tensor(seq.tokens[1: T + 1]).unsqueeze(0)
     with torch.no_grad():
@@ -119,15 +134,16 @@ def test_training_unroll_equals_cached_drafting(tiny):
                 torch.testing.assert_close(g, gs[s - 1][:, j], atol=1e-5, rtol=1e-5)
 
 
-def test_fused_draft_step_equals_torch_step(tiny):
+@pytest.mark.parametrize("which", ["tiny", "tapped"])
+def test_fused_draft_step_equals_torch_step(which, request):
     """A prepared head drafts on the runtime's fused layer glue (`_step_layer`); it computes what
     the torch ops compute (`_step_torch`, same bf16 weights), for a batched prefill over padded
     rows in other cache rows and for single draft steps fed their own features, and writes the
     same KV."""
-    target, head = tiny
+    target, head = request.getfixturevalue(which)
     head = copy.deepcopy(head).prepare()
-    seqs = target_sequences(target, 2, 12, seed=7)
-    feats = torch.stack([s.hidden for s in seqs])  # [2, 11, d]
+    seqs = target_sequences(target, 2, 12, seed=7, taps=tuple(head.cfg.taps))
+    feats = torch.stack([s.hidden for s in seqs])  # [2, 11, feature_dim]
     toks = torch.tensor([s.tokens[1:12] for s in seqs])
     caches = [HeadCache(3, head.cfg.n_kv_heads, head.cfg.head_dim, 64) for _ in range(2)]
     rows = [2, 0]
@@ -311,6 +327,39 @@ def test_head_tree_joint_equals_target_joint(tiny, widths, setting, draft_sampli
     _assert_joint_exact(head_tree_engine(target, head, widths, draft_sampling), target, params)
 
 
+@pytest.mark.parametrize("k, widths, setting", [(2, None, "all"), (3, None, "plain"), (2, (3, 2), "temp0.6_topk2")])
+def test_tapped_head_joint_equals_target_joint(tapped, k, widths, setting):
+    """A head with taps drafts chains and trees; the joint of the first 3 tokens is the target's."""
+    target, head = tapped
+    params = SamplingParams(max_tokens=16, **SETTINGS[setting])
+    engine = head_engine(target, head, k) if widths is None else head_tree_engine(target, head, widths)
+    _assert_joint_exact(engine, target, params)
+
+
+def test_forward_taps_are_the_residual_stream_and_batch_invariant():
+    """forward(taps=...) returns the residual stream after each tapped layer, then the final hidden
+    state unchanged: the stream after the last layer, normed, is the final hidden state; a row
+    computed alone has the same bits as among other rows; a bad tap is never asked for (the head
+    checks its layers against the target)."""
+    target = tiny_model(seed=4, **dict(KW, layers=3))
+    d, eps = KW["dim"], target.args.norm_eps
+    g = torch.Generator().manual_seed(1)
+    toks = torch.randint(0, 4, (3, 7), generator=g)
+    pos = torch.arange(7).view(1, -1).expand(3, 7)
+    _, h = target.forward(toks, pos, target.new_cache(3, 16), return_hidden=True)
+    _, ht = target.forward(toks, pos, target.new_cache(3, 16), return_hidden=True, taps=(0, 2))
+    assert ht.shape == (3, 7, 3 * d) and torch.equal(ht[..., -d:], h)
+    last = ht[..., d: 2 * d]
+    torch.testing.assert_close(last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + eps) * target.norm, h,
+                               atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(ht[..., :d], last)  # layer 0's stream is not layer 2's
+    _, one = target.forward(toks[1:2], pos[1:2], target.new_cache(1, 16), return_hidden=True, taps=(0, 2))
+    assert torch.equal(one[0], ht[1])
+    head = DraftHead(HeadConfig.for_target(target.args, "tiny", "", 3, 16, taps=(2,)))
+    with pytest.raises(SpecdecError, match=r"reads target layers \[2\]; this target has 3 layers"):
+        attach(head, target)
+
+
 def _tree_q_smoothed(monkeypatch):
     """A tree's children drawn from the head's q, but the q recorded for the verifier smoothed
     over the whole vocabulary."""
@@ -384,10 +433,11 @@ def test_head_samples_match_target(tiny, control, monkeypatch):
         assert p > 1e-3
 
 
-def test_greedy_head_speculation_equals_plain_batched(tiny):
+@pytest.mark.parametrize("which", ["tiny", "tapped"])
+def test_greedy_head_speculation_equals_plain_batched(which, request):
     """Rows of different prompts and lengths in one batch, k = 3 and adaptive k: the same tokens
     as plain greedy decoding, and the head drafted (and had some accepted)."""
-    target, head = tiny
+    target, head = request.getfixturevalue(which)
     prompts = [[1, 2, 3], [0, 3, 3, 1, 2, 0, 1], [2], [3, 1, 0, 0, 2]]
     params = SamplingParams(temperature=0, max_tokens=24)
     plain = build_engine(Models(target, None, None, 4, "target", None), None, max_model_len=64, max_batch=4)
@@ -421,6 +471,23 @@ def test_verify_command_with_a_head(tiny, tmp_path, capsys):
     rc = main(args + ["--control", "redraw-from-p"])
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 1 and report["verdict"] == "fail", report
+
+
+def test_verify_command_with_a_tapped_head(tapped, tmp_path, capsys):
+    """`specdec verify` with a head that reads an inner layer: its memo model answers the taps."""
+    from specdec.cli import main
+    from tiny_hf import write_tiny_hf
+
+    target_dir = write_tiny_hf(tmp_path / "target", seed=31, scale=0.6, **TAP_KW)
+    torch.manual_seed(3)
+    head = DraftHead(tapped[1].cfg)
+    head.vocab = tapped[1].vocab
+    head.save(tmp_path / "head", dtype=torch.float32)
+    rc = main(["verify", "--model", str(target_dir), "--head", str(tmp_path / "head"), "--prefix", "w1 w2 w3",
+               "--num-draft-tokens", "3", "--n", "2", "--samples", "3000", "--temperature", "1", "--seed", "3"])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and report["verdict"] == "pass", report
+    assert report["rounds_with_drafts"] > 0
 
 
 # ---- the shipped SmolLM2 head, on the real model ---------------------------------------------------
@@ -540,14 +607,15 @@ def test_train_head_command_end_to_end(tmp_path, capsys):
     out = tmp_path / "head"
     flags = ["train-head", "--model", model, "--out", str(out), "--minutes", "1", "--harvest-tokens", "3000",
              "--epochs", "2", "--draft-vocab", "256", "--intermediate", "32", "--max-new", "24",
-             "--batch-pairs", "256", "--corpus-tokens", "2000", "--threads", "1"]
+             "--batch-pairs", "256", "--corpus-tokens", "2000", "--taps", "0", "--threads", "1"]
     assert main(flags) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["train"]["steps"] >= 1 and report["train"]["answered_tokens"] >= 3000
     assert report["train"]["teacher_forced_tokens"] >= 2000
     assert report["held_out"]["chat"]["rounds"] > 0 and len(report["held_out"]["code"]["acceptance_at"]) == 5
     head = DraftHead.load(out)
-    assert head.cfg.draft_vocab == 256 and head.cfg.train["batch_pairs"] == 256
+    assert head.cfg.draft_vocab == 256 and head.cfg.train["batch_pairs"] == 256 and head.cfg.taps == [0]
+    assert "fuse.weight" in head.state_dict()
     assert main(flags) == 2
     assert "already holds a finished head" in capsys.readouterr().err
     assert main([*flags[:-4], "--lr", "0", "--threads", "1"]) == 2
@@ -555,3 +623,12 @@ def test_train_head_command_end_to_end(tmp_path, capsys):
     assert main([*flags[:-2], "--harvest-share", "0.5", "--corpus-share", "0.5", "--threads", "1"]) == 2
     err = capsys.readouterr().err
     assert "corpus_share=0.5" in err and "[0, 0.50)" in err
+    fresh = [*flags[:4], str(tmp_path / "other"), *flags[5:-4]]
+    assert main([*fresh, "--taps", "1", "--threads", "1"]) == 2  # two layers: only layer 0
+    assert "taps=1: the model has 2 layers; allowed layer indices [0, 0]" in capsys.readouterr().err
+    assert main([*fresh, "--taps", "0,0", "--threads", "1"]) == 2
+    assert "distinct and ascending" in capsys.readouterr().err
+    state = json.loads((out / "work" / "state.json").read_text())  # a stopped run resumed with other taps
+    (out / "work" / "state.json").write_text(json.dumps(state | {"finished": False}))
+    assert main([*flags[:-4], "--taps", "none", "--threads", "1"]) == 2
+    assert "harvested with --taps 0" in capsys.readouterr().err

@@ -246,8 +246,12 @@ class PipelineTransformer:
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StageCache,
                 mask: torch.Tensor | None = None, return_hidden: bool = False,
-                rows: torch.Tensor | None = None, logits_at: torch.Tensor | None = None):
+                rows: torch.Tensor | None = None, logits_at: torch.Tensor | None = None,
+                taps: tuple[int, ...] = ()):
         """Transformer.forward, to the same bits: logits [B, T or n, V] (and hidden [B, T, dim])."""
+        if taps:
+            raise SpecdecError("a draft head that reads the target's inner layers (taps) does not run on "
+                               "pipeline stages; use a head trained with --taps none", "head")
         t0 = time.perf_counter()
         m, ring, st = self.model, self.ring, self.ring.stats
         B, T = tokens.shape

@@ -61,6 +61,7 @@ class Engine:
         self.proposer = proposer
         # a proposer that reads the target's hidden states (a draft head) is told them every round
         self.hidden_to = proposer if proposer is not None and proposer.wants_hidden_states else None
+        self.taps = tuple(self.hidden_to.hidden_taps) if self.hidden_to is not None else ()  # its layers
         free = {p.name for p in proposer.parts() if not p.runs_a_model} if proposer is not None else set()
         self.policy = k_policy(num_draft_tokens if proposer is not None else 0, max_draft_tokens,
                                k_cost, free_sources=free)
@@ -335,7 +336,7 @@ class Engine:
                     leaders.append(head)
             copies += [(r, [head]) for r in rs if r is not head]
         todo = kv_prefill(self.model, self.cache, leaders, self.prefill_chunk,
-                          on_hidden=self.hidden_to and self.hidden_to.observe_hidden)
+                          on_hidden=self.hidden_to and self.hidden_to.observe_hidden, taps=self.taps)
         for r, sources in copies:
             self._copy_in(r, sources)
         done = [r for r in pending if ready(r)]
@@ -411,9 +412,11 @@ class Engine:
             positions = (L - 1).unsqueeze(1) + torch.arange(k + 1, device=dev)  # [B, k + 1]
         want_hidden = self.hidden_to is not None
         t0 = time.perf_counter()
-        tree = {} if slots is None else {"mask": mask, "slots": slots}  # (models without trees: chains only)
+        extra = {} if slots is None else {"mask": mask, "slots": slots}  # (models without trees: chains only)
+        if self.taps:  # (and without taps: heads that read the final hidden states only)
+            extra["taps"] = self.taps
         out = self.model.forward(feed, positions, self.cache, rows=rows_arg(reqs, dev),
-                                 return_hidden=want_hidden, **tree)
+                                 return_hidden=want_hidden, **extra)
         logits, hidden = out if want_hidden else (out, None)
         t_target = time.perf_counter() - t0
         self.policy.observe_target(B, k + 1, t_target)

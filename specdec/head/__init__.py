@@ -19,6 +19,8 @@ def attach(head: DraftHead, model) -> DraftHead:
     if mine != theirs:
         raise SpecdecError(f"the head was trained for a target with (dim, heads, kv heads, head dim, vocabulary) "
                            f"= {theirs}; this target has {mine}", "head")
+    if c.taps and max(c.taps) > a.n_layers - 2:
+        raise SpecdecError(f"the head reads target layers {c.taps}; this target has {a.n_layers} layers", "head")
     return head.attach(model.embed, model.lm_head.dense)
 
 

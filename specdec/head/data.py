@@ -214,7 +214,7 @@ def corpus_chunks(tokenizer, seed: int, window: int = CORPUS_WINDOW) -> Iterator
 @torch.inference_mode()
 def teacher_force(model, chunks: Iterable[tuple[str, list[int]]], window: int = CORPUS_WINDOW,
                   deadline: float | None = None, token_budget: int | None = None,
-                  on_sequence=None) -> list[Sequence]:
+                  on_sequence=None, taps: tuple[int, ...] = ()) -> list[Sequence]:
     """The target reads each chunk (at most `window` tokens) in one prefill (no sampling: the
     text is given) and every position's final hidden state is kept: the fixed-data half of the
     recipe (EAGLE's), about 3x faster per token here than the target writing its own answers.
@@ -229,7 +229,7 @@ def teacher_force(model, chunks: Iterable[tuple[str, list[int]]], window: int = 
         n = len(ids)
         cache.set_length(0, 0)
         _, hidden = model.forward(torch.tensor([ids]), torch.arange(n).view(1, n), cache, return_hidden=True,
-                                  logits_at=torch.zeros(1, 0, dtype=torch.long))
+                                  logits_at=torch.zeros(1, 0, dtype=torch.long), **_tapped(taps))
         seq = Sequence(list(ids), hidden[0, : n - 1].half(), 0, kind, index)
         done.append(seq)
         read += n
@@ -241,8 +241,9 @@ def teacher_force(model, chunks: Iterable[tuple[str, list[int]]], window: int = 
 @dataclass
 class Sequence:
     """One prompt and the target's answer: tokens [n] and final hidden states [n, dim] (fp16;
-    hidden[j] is f_j, the state whose logits predict tokens[j + 1]); the last token has none
-    (it was never fed), so hidden has n - 1 rows."""
+    hidden[j] is f_j, the state whose logits predict tokens[j + 1]; harvested with taps,
+    [n, (len(taps) + 1) dim]: the tapped layers' residual streams, then f_j); the last token has
+    none (it was never fed), so hidden has n - 1 rows."""
 
     tokens: list[int]
     hidden: torch.Tensor
@@ -254,12 +255,13 @@ class Sequence:
 @torch.inference_mode()
 def harvest(model, tokenizer, prompts: list[tuple[str, str]], max_new: int, batch: int, seed: int,
             sampled_share: float = 0.3, temperature: float = 0.7, deadline: float | None = None,
-            token_budget: int | None = None, on_sequence=None) -> list[Sequence]:
+            token_budget: int | None = None, on_sequence=None, taps: tuple[int, ...] = ()) -> list[Sequence]:
     """The target answers each prompt (greedy, or sampled at `temperature` for a `sampled_share`
     of them: the head also meets the target's less likely text), `batch` rows decoding at once;
     a finished row takes the next prompt. Starts no new prompt after `deadline`
     (time.monotonic()) or once `token_budget` tokens (prompts + answers) are written.
-    on_sequence(seq): told each finished sequence."""
+    on_sequence(seq): told each finished sequence. taps: also keep the residual streams after
+    these layers (Transformer.forward)."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     eos = set(tokenizer.eos_token_ids)
@@ -279,7 +281,7 @@ def harvest(model, tokenizer, prompts: list[tuple[str, str]], max_new: int, batc
             n = len(ids)
             logits, hidden = model.forward(torch.tensor([ids]), torch.arange(n).view(1, n), cache,
                                            rows=torch.tensor([row]), return_hidden=True,
-                                           logits_at=torch.tensor([[n - 1]]))
+                                           logits_at=torch.tensor([[n - 1]]), **_tapped(taps))
             cache.set_length(row, n)
             rows[row] = dict(kind=kind, index=index, tokens=list(ids), prompt_len=n, hidden=[hidden[0].half()], fed=n,
                              sampled=rng.random() < sampled_share, logits=logits[0, 0])
@@ -315,13 +317,17 @@ def harvest(model, tokenizer, prompts: list[tuple[str, str]], max_new: int, batc
             continue
         tok = torch.tensor([[rows[b]["tokens"][-1]] for b in live])
         pos = torch.tensor([[len(rows[b]["tokens"]) - 1] for b in live])
-        logits, hidden = model.forward(tok, pos, cache, rows=torch.tensor(live), return_hidden=True)
+        logits, hidden = model.forward(tok, pos, cache, rows=torch.tensor(live), return_hidden=True, **_tapped(taps))
         for i, b in enumerate(live):
             rows[b]["logits"] = logits[i, 0]
             rows[b]["hidden"].append(hidden[i].half())
             rows[b]["fed"] += 1
             cache.set_length(b, rows[b]["fed"])
     return done
+
+
+def _tapped(taps: tuple[int, ...]) -> dict:
+    return {"taps": tuple(taps)} if taps else {}
 
 
 # ---- harvested shards ---------------------------------------------------------------------------

@@ -8,11 +8,16 @@ vocabulary, the logits of token x_{j+2}. Drafting k tokens: the committed pairs 
 features are the target's, from the verify forward); then pair (g, d_1) gives d_2, and so on, each
 step feeding its own predicted feature back in.
 
-    z = fc([rms(embed(x_{j+1})) * w_e ; rms(f_j) * w_f])      embedding: the target's, frozen
+    z = fc([rms(embed(x_{j+1})) * w_e ; rms(u_j) * w_f])      embedding: the target's, frozen
     x = z + attn(rms(z) * w_a)                                 RoPE at position j, own KV cache
     x = x + mlp(rms(x) * w_m)                                  SwiGLU
     g = rms(x) * w_o                                           ~ f_{j+1} (the target's final norm)
     logits = g @ W[vocab]^T                                    W: the target's output head rows
+
+u_j is f_j itself, or for a head with `taps` (EAGLE-3's fused features) fuse([rms(h^a_j); ...;
+rms(f_j)]), the residual streams after target layers a, b, ... and f_j mixed by a learnt linear
+map (it starts as "take f_j", so a tapped head starts where an untapped one does). A drafted pair
+feeds the head's own g in u's place, in both kinds.
 
 The draft vocabulary (`vocab` ids, the most frequent tokens of the training data) keeps the head
 cheap on a 49k-152k vocabulary; q is zero outside it, which verification handles like any other q
@@ -38,7 +43,7 @@ from specdec.runtime.kernels import fused, linear, prepare_weight
 from specdec.runtime.model import rope_tables
 
 HEAD_FORMAT = 1  # bumped when the saved layout changes
-LINEARS = ("fc", "wqkv", "wo", "w_gate_up", "w_down")
+LINEARS = ("fuse", "fc", "wqkv", "wo", "w_gate_up", "w_down")  # (fuse: only a head with taps)
 NORMS = ("w_e", "w_f", "w_a", "w_m", "w_o")
 WEIGHTS, CONFIG = "head.safetensors", "head.json"
 
@@ -58,16 +63,24 @@ class HeadConfig:
     norm_eps: float
     vocab_size: int  # the target's vocabulary V
     draft_vocab: int  # Vd: the ids the head can draft
+    taps: list[int] = field(default_factory=list)  # target layers whose residual streams it reads
     train: dict = field(default_factory=dict)  # data, seed, steps, tokens, minutes
     held_out: dict = field(default_factory=dict)  # acceptance on prompts never trained on
     format: int = HEAD_FORMAT
 
     @classmethod
-    def for_target(cls, args, target: str, sha256: str, draft_vocab: int, intermediate: int | None = None):
+    def for_target(cls, args, target: str, sha256: str, draft_vocab: int, intermediate: int | None = None,
+                   taps: tuple[int, ...] = ()):
         return cls(target=target, target_sha256=sha256, dim=args.dim, n_heads=args.n_heads,
                    n_kv_heads=args.n_kv_heads, head_dim=args.head_dim,
                    intermediate=intermediate or args.intermediate_size, rope_theta=args.rope_theta,
-                   norm_eps=args.norm_eps, vocab_size=args.vocab_size, draft_vocab=draft_vocab)
+                   norm_eps=args.norm_eps, vocab_size=args.vocab_size, draft_vocab=draft_vocab,
+                   taps=list(taps))
+
+    @property
+    def feature_dim(self) -> int:
+        """Width of the target's features for one pair: the taps' streams, then f_j."""
+        return (len(self.taps) + 1) * self.dim
 
 
 def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -105,6 +118,11 @@ class DraftHead(nn.Module):
         d, H, Hkv, D, inter = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate
         self.w_e = nn.Parameter(torch.ones(d))
         self.w_f = nn.Parameter(torch.ones(d))
+        if cfg.taps:
+            self.fuse = nn.Linear(cfg.feature_dim, d, bias=False)
+            with torch.no_grad():  # starts as "take f_j" (the last block): an untapped head's input
+                self.fuse.weight.zero_()
+                self.fuse.weight[:, -d:] = torch.eye(d)
         self.fc = nn.Linear(2 * d, d, bias=False)
         self.w_a = nn.Parameter(torch.ones(d))
         self.wqkv = nn.Linear(d, (H + 2 * Hkv) * D, bias=False)
@@ -136,7 +154,7 @@ class DraftHead(nn.Module):
         """Draft on the runtime's own batch-invariant kernels: each linear as bf16 (a saved head's
         own values, so drafting equals `unroll` on a loaded head), streamed at half the bytes of
         fp32. Training never calls this (its weights move)."""
-        self._kernels = {n: prepare_weight(getattr(self, n).weight, "bf16") for n in LINEARS}
+        self._kernels = {n: prepare_weight(getattr(self, n).weight, "bf16") for n in LINEARS if hasattr(self, n)}
         self._kernels.update({n: getattr(self, n).detach().float().contiguous() for n in NORMS})
         return self
 
@@ -153,11 +171,22 @@ class DraftHead(nn.Module):
         return cos[positions], sin[positions]
 
     # ---- the layer, in pieces shared by training and drafting ----------------------------
+    def _feature(self, feats: torch.Tensor) -> torch.Tensor:
+        """u [B, T, d]: the target's features [B, T, feature_dim] (fused when the head has taps),
+        or the head's own g [B, T, d] as it is."""
+        f = feats.float()
+        d = self.cfg.dim
+        if f.shape[-1] == d:
+            return f
+        parts = f.unflatten(-1, (f.shape[-1] // d, d))
+        parts = parts * torch.rsqrt(parts.pow(2).mean(-1, keepdim=True) + self.cfg.norm_eps)
+        return self._lin("fuse", parts.flatten(-2).contiguous())
+
     def _input(self, feats: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """z [B, T, d] from features f_j [B, T, d] and next tokens x_{j+1} [B, T]."""
+        """z [B, T, d] from features (u_j's source, `_feature`) and next tokens x_{j+1} [B, T]."""
         eps = self.cfg.norm_eps
         e = self.embed[tokens]
-        return self._lin("fc", torch.cat([rms(e, self.w_e, eps), rms(feats.float(), self.w_f, eps)], -1))
+        return self._lin("fc", torch.cat([rms(e, self.w_e, eps), rms(self._feature(feats), self.w_f, eps)], -1))
 
     def _qkv(self, z: torch.Tensor, positions: torch.Tensor):
         """q [B, H, T, D], k, v [B, Hkv, T, D] with RoPE at `positions` [B, T]."""
@@ -188,7 +217,7 @@ class DraftHead(nn.Module):
         """[g_1, ..., g_steps], each [B, T, d]: g_s at index j is the head's prediction of
         f_{j+1} after s - 1 draft steps fed its own predictions, as drafting sees it: step s
         at pair j attends the true pairs <= j - s + 1 and the step-t keys at j - s + t
-        (t = 2..s; training-time test). feats f_j [B, T, d], tokens x_{j+1} [B, T]."""
+        (t = 2..s; training-time test). feats [B, T, feature_dim] (f_j last), tokens x_{j+1} [B, T]."""
         c = self.cfg
         z = self._input(feats, tokens)
         q, k, v = self._qkv(z, positions)
@@ -274,7 +303,7 @@ class DraftHead(nn.Module):
         st = fused.plan(positions, torch.tensor(rows, dtype=torch.int64), mask, *self._rope, slots=slots)
         norm = fused.add_rms_norm
         e = self.embed[tokens]
-        f = feats.float().contiguous()
+        f = self._feature(feats).contiguous()
         z = self._lin("fc", torch.cat([norm(e, None, k["w_e"], eps, st.fast),
                                        norm(f, None, k["w_f"], eps, st.fast)], -1))
         qkv = self._lin("wqkv", norm(z, None, k["w_a"], eps, st.fast))

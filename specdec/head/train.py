@@ -17,6 +17,7 @@ Recipe (docs/draft-head.md says what each choice bought):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -69,6 +70,7 @@ class TrainSettings:
     lr: float = 2e-3
     warmup: int = 30  # optimizer steps of linear warm-up
     seed: int = 0
+    taps: tuple[int, ...] = ()  # target layers whose residual streams the head also reads
     held_out_code: int = 20  # HumanEval prompts for the held-out measurement
     held_out_new: int = 128
 
@@ -118,18 +120,20 @@ def batches(wins, tokens_per_batch: int, rng: random.Random) -> list[list[tuple[
     return out
 
 
-def collate(seqs: list[Sequence], batch, dim: int):
-    """feats f_j [B, T, d], tokens x_{j+1} [B, T], targets f_{j+1} [B, T, d], positions, valid."""
+def collate(seqs: list[Sequence], batch, dim: int, width: int | None = None):
+    """feats [B, T, width] (the last `width` columns of the harvested features: f_j last),
+    tokens x_{j+1} [B, T], targets f_{j+1} [B, T, d], positions, valid."""
     T = max(b - a for _, a, b in batch)
     B = len(batch)
-    feats, targets = torch.zeros(B, T, dim), torch.zeros(B, T, dim)
+    width = width or dim
+    feats, targets = torch.zeros(B, T, width), torch.zeros(B, T, dim)
     tokens = torch.zeros(B, T, dtype=torch.long)
     pos = torch.zeros(B, T, dtype=torch.long)
     valid = torch.zeros(B, T, dtype=torch.bool)
     for r, (i, a, b) in enumerate(batch):
         s, n = seqs[i], b - a
-        feats[r, :n] = s.hidden[a:b].float()
-        targets[r, :n] = s.hidden[a + 1: b + 1].float()
+        feats[r, :n] = s.hidden[a:b, -width:].float()
+        targets[r, :n] = s.hidden[a + 1: b + 1, -dim:].float()
         tokens[r, :n] = torch.tensor(s.tokens[a + 1: b + 1])
         pos[r] = torch.arange(a, a + T)
         valid[r, :n] = True
@@ -172,7 +176,7 @@ def acceptance(head: DraftHead, seqs: list[Sequence], k: int = 5) -> dict:
         if n < 2:
             continue
         T = n
-        feats = s.hidden[:T].float().unsqueeze(0)
+        feats = s.hidden[:T, -head.cfg.feature_dim:].float().unsqueeze(0)
         tokens = torch.tensor(s.tokens[1: T + 1]).unsqueeze(0)
         gs = head.unroll(feats, tokens, torch.arange(T).unsqueeze(0), k)
         drafts = torch.stack([head.logits(g[0]).argmax(-1) for g in gs])  # [k, T] draft-vocab index
@@ -201,7 +205,8 @@ def acceptance(head: DraftHead, seqs: list[Sequence], k: int = 5) -> dict:
 def held_out_sequences(model, tokenizer, st: TrainSettings) -> dict[str, list[Sequence]]:
     sets = {"chat": [("chat", p) for p in CHAT_PROMPTS],
             "code": [("code", p) for p in humaneval(st.held_out_code)]}
-    return {name: harvest(model, tokenizer, ps, st.held_out_new, st.batch, st.seed, sampled_share=0.0)
+    return {name: harvest(model, tokenizer, ps, st.held_out_new, st.batch, st.seed, sampled_share=0.0,
+                          taps=st.taps)
             for name, ps in sets.items()}
 
 
@@ -214,7 +219,10 @@ def train_head(model, tokenizer, target: str, sha256: str, st: TrainSettings, co
     work = st.out / "work"
     work.mkdir(parents=True, exist_ok=True)
     state_path = work / "state.json"
-    state = json.loads(state_path.read_text()) if state_path.exists() else {"spent_s": 0.0}
+    state = json.loads(state_path.read_text()) if state_path.exists() else {"spent_s": 0.0, "taps": list(st.taps)}
+    if state.get("taps", []) != list(st.taps):  # the harvested features are that wide
+        raise SpecdecError(f"{st.out} holds data harvested with --taps {_taps_text(state.get('taps', []))}; "
+                           f"resume it with those, or choose another --out for --taps {_taps_text(st.taps)}", "taps")
     deadline -= state["spent_s"]  # a resumed run keeps the first run's budget
 
     def save_state(**kw):
@@ -258,7 +266,8 @@ def train_head(model, tokenizer, target: str, sha256: str, st: TrainSettings, co
 
             done_tokens = sum(len(s.tokens) for _, s in have)
             harvest(model, tokenizer, [p for _, p in todo], st.max_new, st.batch, st.seed + len(done_ids),
-                    deadline=harvest_end, token_budget=st.harvest_tokens - done_tokens, on_sequence=on_sequence)
+                    deadline=harvest_end, token_budget=st.harvest_tokens - done_tokens, on_sequence=on_sequence,
+                    taps=st.taps)
             flush()
             save_state(harvest_done=True)
         corpus = load_shards(work, "corpus")
@@ -286,7 +295,7 @@ def train_head(model, tokenizer, target: str, sha256: str, st: TrainSettings, co
                                 info=f"{n_read / (time.monotonic() - t0):.0f} tok/s (teacher forcing)")
 
             teacher_force(model, chunks, window, deadline=corpus_end, token_budget=st.corpus_tokens - read,
-                          on_sequence=on_chunk)
+                          on_sequence=on_chunk, taps=st.taps)
             cflush()
             save_state(corpus_done=True)
         seqs = [s for _, s in have] + [s for _, s in corpus]
@@ -295,7 +304,7 @@ def train_head(model, tokenizer, target: str, sha256: str, st: TrainSettings, co
                                "give --minutes more time", "minutes")
         eos = set(tokenizer.eos_token_ids)
         ids = draft_vocabulary(seqs, st.draft_vocab, model.args.vocab_size, eos)
-        cfg = HeadConfig.for_target(model.args, target, sha256, len(ids), st.intermediate)
+        cfg = HeadConfig.for_target(model.args, target, sha256, len(ids), st.intermediate, st.taps)
         head = DraftHead(cfg)
         head.vocab = ids
         attach(head, model)
@@ -336,7 +345,7 @@ def train_head(model, tokenizer, target: str, sha256: str, st: TrainSettings, co
                     lr *= 0.5 * (1 + math.cos(math.pi * min(1.0, step / est_total)))
                 for gp in opt.param_groups:
                     gp["lr"] = lr
-                feats, tokens, targets, pos, valid = collate(seqs, batch, cfg.dim)
+                feats, tokens, targets, pos, valid = collate(seqs, batch, cfg.dim, cfg.feature_dim)
                 loss, agree = loss_fn(head, feats, tokens, targets, pos, valid, st.steps)
                 opt.zero_grad()
                 loss.backward()
@@ -418,6 +427,42 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=_int, default=d.warmup, help="optimizer steps of linear warm-up, [1, 100000]")
     p.add_argument("--max-new", type=_int, default=d.max_new, help="answer tokens per training prompt, [16, 4096]")
     p.add_argument("--batch", type=_int, default=d.batch, help="harvest rows decoding together, [1, 64]")
+    p.add_argument("--taps", default="none", metavar="none|auto|I,J,...",
+                   help="target layers whose residual streams the head reads beside the final hidden "
+                        "state (EAGLE-3's fused features): auto = layers 2, n/2 and n-3 of n; each in [0, n-2]")
+
+
+def _taps_text(taps) -> str:
+    return ",".join(str(t) for t in taps) if taps else "none"
+
+
+def parse_taps(text: str):
+    """--taps: "none" -> (), "auto" -> "auto" (resolved on the model), else ascending distinct
+    layer indices >= 0."""
+    text = str(text).strip().lower()
+    if text in ("none", ""):
+        return ()
+    if text == "auto":
+        return "auto"
+    try:
+        taps = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise SpecdecError(f"taps={text!r} is not none, auto or comma-separated layer indices (e.g. 2,15,27)",
+                           "taps") from None
+    if any(t < 0 for t in taps) or list(taps) != sorted(set(taps)):
+        raise SpecdecError(f"taps={text!r}: layer indices must be >= 0, distinct and ascending", "taps")
+    return taps
+
+
+def resolve_taps(taps, n_layers: int) -> tuple[int, ...]:
+    """The layers for a target with n_layers: "auto" is EAGLE-3's low, middle and high layer."""
+    if taps == "auto":
+        return tuple(sorted({t for t in (2, n_layers // 2, n_layers - 3) if 0 <= t <= n_layers - 2}))
+    if taps and taps[-1] > n_layers - 2:
+        raise SpecdecError(f"taps={_taps_text(taps)}: the model has {n_layers} layers; allowed layer indices "
+                           f"[0, {n_layers - 2}] (the last layer's stream is the final hidden state, read anyway)",
+                           "taps")
+    return tuple(taps)
 
 
 def settings_from(a) -> TrainSettings:
@@ -438,7 +483,8 @@ def settings_from(a) -> TrainSettings:
         batch=check_int("batch", a.batch, 1, 64),
         lr=check_float("lr", a.lr, 0.0, 1.0, lo_open=True),
         tokens_per_batch=check_int("batch_pairs", a.batch_pairs, 64, 65536),
-        warmup=check_int("warmup", a.warmup, 1, 100000))
+        warmup=check_int("warmup", a.warmup, 1, 100000),
+        taps=parse_taps(getattr(a, "taps", "none")))
     if st.harvest_share + st.corpus_share >= 1:  # training needs the rest of the budget
         raise SpecdecError(f"corpus_share={st.corpus_share} leaves no time to train after harvest_share="
                            f"{st.harvest_share}; allowed [0, {1 - st.harvest_share:.2f})", "corpus_share")
@@ -465,6 +511,7 @@ def cmd_train_head(a) -> int:
     except OSError as e:
         raise SpecdecError(f"cannot create --out {st.out}: {e.strerror}", "out") from None
     model, tok = load_model(a.model, a.dtype, a.device)
+    st = dataclasses.replace(st, taps=resolve_taps(st.taps, model.args.n_layers))
     if tok is None:
         raise SpecdecError("train-head needs the model's tokenizer", "model")
     if st.draft_vocab > model.args.vocab_size:

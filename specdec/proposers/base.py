@@ -27,6 +27,7 @@ class Proposer(Protocol):
     name: str
     runs_a_model: bool  # False: drafting is nearly free (adaptive k's cost prior)
     wants_hidden_states: bool  # True: `accept` gets the target's hidden states (RowResult.hidden)
+    hidden_taps: tuple[int, ...]  # with them, the residual streams after these target layers
 
     def parts(self) -> list["Proposer"]:
         """The proposers it is made of (itself, unless it is a composite)."""
@@ -91,6 +92,7 @@ class ProposerBase:
     name = "proposer"
     runs_a_model = True
     wants_hidden_states = False
+    hidden_taps: tuple[int, ...] = ()  # target layers whose residual streams come with them
 
     def parts(self) -> list[Proposer]:
         return [self]

@@ -2,7 +2,8 @@
 (specdec.head.model), which borrows the target's embedding and output rows.
 
 Pairs and the cache (per request; pair j = (f_j, x_{j+1}), f_j the target's final hidden state at
-position j, its slot in the head's cache j):
+position j (with, for a head with taps, the residual streams of those target layers), its slot in
+the head's cache j):
   - the target's prompt prefill hands over f_0..f_{L-2} (`observe_hidden`); every round's result
     hands over the features of the inputs whose logits produced its committed tokens
     (RowResult.hidden): so the features of every committed pair arrive, true ones, never the
@@ -37,6 +38,8 @@ class HeadProposer(ProposerBase):
     def __init__(self, head: DraftHead, vocab_size: int, max_seq_len: int,
                  draft_sampling: str = "probabilistic", headroom: int = 33):
         self.head = head.prepare()  # (idempotent: a cached head is shared by engines)
+        self.hidden_taps = tuple(head.cfg.taps)  # the target's features: these layers' streams, then f_j
+        self.F = head.cfg.feature_dim
         self.V = vocab_size  # the real (tokenizer) vocabulary
         self.ids = head.vocab[head.vocab < vocab_size]  # draft ids inside it
         # [Vd', d] the target's output rows for the draft ids, bf16 on the runtime's kernels (half
@@ -86,11 +89,12 @@ class HeadProposer(ProposerBase):
         f = self.feats[row]
         if len(f) > 1:
             self.feats[row] = f = [torch.cat(f)]
-        return f[0] if f else torch.zeros(0, self.head.cfg.dim)
+        return f[0] if f else torch.zeros(0, self.F)
 
     # ---- features in --------------------------------------------------------------------------
     def observe_hidden(self, req, start: int, hidden: torch.Tensor) -> None:
-        """The target's final hidden states [n, dim] at committed positions start..start+n-1."""
+        """The target's features [n, F] (final hidden states, after the taps' streams) at
+        committed positions start..start+n-1."""
         row = req.row
         have = self.cache.start[row] + sum(len(h) for h in self.feats[row])
         if start > have:  # features for have..start-1 never came (another row's KV was copied in)
@@ -134,8 +138,8 @@ class HeadProposer(ProposerBase):
     def _feed(self, reqs, chunks) -> torch.Tensor:
         """One head forward over each row's pairs (padded at the end); g [B, T, d]."""
         T = max(len(c[1]) for c in chunks)
-        B, d = len(reqs), self.head.cfg.dim
-        feats = torch.zeros(B, T, d)
+        B = len(reqs)
+        feats = torch.zeros(B, T, self.F)
         tokens = torch.zeros(B, T, dtype=torch.long)
         pos = torch.zeros(B, T, dtype=torch.long)
         for b, (a, f, toks) in enumerate(chunks):

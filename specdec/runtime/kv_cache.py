@@ -106,12 +106,14 @@ def rows_arg(reqs, device):
     return None if rows == list(range(len(rows))) else torch.tensor(rows, device=device)
 
 
-def prefill(model, cache: "KVCache", reqs, budget: int | None = None, on_hidden=None) -> list:
+def prefill(model, cache: "KVCache", reqs, budget: int | None = None, on_hidden=None,
+            taps: tuple[int, ...] = ()) -> list:
     """Give `cache` KV for every committed token of each request but the last (the next round
     feeds it), in one padded forward that computes no logits; returns the requests fed.
     budget: at most this many tokens in all (chunked prefill), handed out in request order; a
     request left short gets the rest in later calls. on_hidden(request, start, hidden [n, dim]):
-    told the final hidden states of the n positions fed from `start` (a draft head's input)."""
+    told the final hidden states of the n positions fed from `start` (a draft head's input;
+    with `taps`, the residual streams after those layers before them, as Transformer.forward)."""
     todo, chunks = [], []
     left = budget if budget is not None else float("inf")
     for r in reqs:
@@ -127,7 +129,7 @@ def prefill(model, cache: "KVCache", reqs, budget: int | None = None, on_hidden=
     tok, pos = ragged_block(chunks, starts, cache.capacity)
     out = model.forward(tok.to(dev), pos.to(dev), cache, rows=rows_arg(todo, dev),
                         logits_at=torch.zeros(len(todo), 0, dtype=torch.long, device=dev),
-                        return_hidden=on_hidden is not None)
+                        return_hidden=on_hidden is not None, **({"taps": taps} if taps else {}))
     for b, (r, c) in enumerate(zip(todo, chunks)):
         if on_hidden is not None:
             on_hidden(r, starts[b], out[1][b, : len(c)])

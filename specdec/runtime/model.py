@@ -228,7 +228,7 @@ class Transformer:
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 mask: torch.Tensor | None = None, return_hidden: bool = False,
                 rows: torch.Tensor | None = None, logits_at: torch.Tensor | None = None,
-                slots: torch.Tensor | None = None):
+                slots: torch.Tensor | None = None, taps: tuple[int, ...] = ()):
         """tokens, positions: [B, T] int64. mask: [B, T, T] bool over the new tokens, or None
         for causal. rows: [B] cache rows to use (default 0..B-1). logits_at: [B, n] indices
         into the T new positions that need logits (None: all T); a prefill needs none (n = 0)
@@ -236,12 +236,16 @@ class Transformer:
         slots: [B, T] the KV slot of each new token when it is not its position (a draft tree:
         siblings share a position; needs `mask`, and the history is the slots before slots[:, 0]).
         Returns logits [B, T or n, V] (and the final hidden states [B, T, dim] when
-        return_hidden)."""
+        return_hidden; with `taps`, layer indices, [B, T, (len(taps) + 1) dim]: the residual
+        stream after each of those layers, then the final hidden states: a draft head's input)."""
         step = self.plan(positions, rows, mask, slots)
-        x, d = self.run_layers(self.embed[tokens], None, step, cache)  # x: [B, T, dim]
+        tapped = [] if taps else None
+        x, d = self.run_layers(self.embed[tokens], None, step, cache, taps, tapped)  # x: [B, T, dim]
         hidden = self.final_norm(x, d, step)
         logits = self.output(hidden, logits_at)
-        return (logits, hidden) if return_hidden else logits
+        if not return_hidden:
+            return logits
+        return logits, (torch.cat([*tapped, hidden], -1) if taps else hidden)
 
     __call__ = forward
 
@@ -251,19 +255,23 @@ class Transformer:
         return fused.plan(positions, rows, mask, self.cos, self.sin, slots)
 
     def run_layers(self, x: torch.Tensor, d: torch.Tensor | None, step: fused.Step,
-                   cache: KVCache) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   cache: KVCache, taps: tuple[int, ...] = (),
+                   tapped: list | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This part's layers on the residual stream x [B, T, dim] (updated in place) plus d, an
         output still to be added to it (None: nothing). Returns (x, d): d is the last layer's MLP
-        output, which the next norm adds (x + d is the stream after the last layer)."""
+        output, which the next norm adds (x + d is the stream after the last layer). The stream
+        after each layer in `taps` (this part's indices) is appended to `tapped`."""
         a = self.args
         H, Hkv, eps = a.n_heads, a.n_kv_heads, a.norm_eps
         fast, linear = step.fast, kernels.linear
-        for lw, (kc, vc) in zip(self.layers, cache.layers):  # kc, vc: [Bc, Hkv, S_cap, D] views
+        for i, (lw, (kc, vc)) in enumerate(zip(self.layers, cache.layers)):  # kc, vc: [Bc, Hkv, S_cap, D]
             h = fused.add_rms_norm(x, d, lw.attn_norm, eps, fast)
             qkv = linear(h, lw.wqkv, lw.bqkv)  # [B, T, (H + 2 Hkv) D]
             o = fused.attend(step, qkv, kc, vc, H, Hkv)  # [B, T, H D]
             h = fused.add_rms_norm(x, linear(o, lw.wo), lw.ffn_norm, eps, fast)
             d = linear(fused.silu_mul(linear(h, lw.w_gate_up), fast), lw.w_down)
+            if i in taps:
+                tapped.append(x + d)
         return x, d
 
     def final_norm(self, x: torch.Tensor, d: torch.Tensor | None, step: fused.Step) -> torch.Tensor:

@@ -33,7 +33,7 @@ import torch
 from specdec import rejection
 from specdec.config import MAX_SEED, SamplingParams, SpeculativeConfig
 from specdec.errors import SpecdecError, check_choice, check_float, check_int, check_text
-from specdec.loader import Models, build_engine, with_models
+from specdec.loader import Models, build_engine, head_for, with_models
 from specdec.metrics import SpecStats
 from specdec.runtime.kv_cache import KVCache
 from specdec.tools import distribution as dist
@@ -64,8 +64,11 @@ class SlotCache(KVCache):
 class MemoModel:
     """Answers `forward` like `model` would, from a memo keyed by the tokens each query attends to."""
 
-    def __init__(self, model, prefix: list[int], max_bytes: float = 4e9, batch: int = 32):
+    def __init__(self, model, prefix: list[int], max_bytes: float = 4e9, batch: int = 32,
+                 taps: tuple[int, ...] = ()):
         self.model, self.args, self.device = model, model.args, model.device
+        self.taps = tuple(taps)  # a draft head's target layers: hidden is (len(taps) + 1) dim wide
+        self.H = (len(self.taps) + 1) * model.args.dim
         # a draft head borrows the target's embedding and output rows (specdec.head.attach)
         self.embed, self.lm_head = getattr(model, "embed", None), getattr(model, "lm_head", None)
         self.prefix = tuple(prefix)
@@ -73,7 +76,7 @@ class MemoModel:
         self.batch = batch
         self.V = model.args.vocab_size
         self.scratch = model.new_cache(batch, L + EXTRA_SLOTS, headroom=1)
-        with torch.inference_mode():  # memo entries: [V + dim] logits and final hidden state
+        with torch.inference_mode():  # memo entries: [V + H] logits and hidden states
             logits = self._run(torch.tensor([prefix], device=self.device),
                                torch.arange(L, device=self.device).view(1, -1), self.scratch)[0]
         self.scratch.k[:, 1:, :, :L] = self.scratch.k[:, :1, :, :L]  # every row starts from the prefix
@@ -84,18 +87,19 @@ class MemoModel:
         self.hits = self.misses = 0
 
     def _run(self, tokens, positions, cache) -> torch.Tensor:
-        """The real model's logits and final hidden states, concatenated: [B, T, V + dim]."""
-        logits, hidden = self.model.forward(tokens, positions, cache, return_hidden=True)
+        """The real model's logits and hidden states, concatenated: [B, T, V + H]."""
+        extra = {"taps": self.taps} if self.taps else {}
+        logits, hidden = self.model.forward(tokens, positions, cache, return_hidden=True, **extra)
         return torch.cat([logits, hidden], -1)
 
     def new_cache(self, batch_size: int, max_seq_len: int | None = None, headroom: int = 33) -> KVCache:
         return SlotCache(batch_size, max_seq_len or self.args.max_seq_len, headroom)
 
     def forward(self, tokens, positions, cache, mask=None, return_hidden=False, rows=None,
-                logits_at=None):
+                logits_at=None, taps: tuple[int, ...] = ()):
         """tokens, positions [B, T] -> logits [B, T or n, V] (and hidden states, when asked), as
         model.forward (causal, no mask; logits_at [B, n]: those positions only, none for n = 0)."""
-        assert mask is None
+        assert mask is None and tuple(taps) in ((), self.taps)
         if not return_hidden:
             return self._forward(tokens, positions, cache, rows, logits_at)[..., : self.V]
         out = self._forward(tokens, positions, cache, rows, None)  # [B, T, V + dim]: every position
@@ -112,7 +116,7 @@ class MemoModel:
         if logits_at is not None:
             pos = pos.gather(1, logits_at.cpu())
             if pos.shape[1] == 0:  # a prefill: the slots are written, nothing to look up
-                return torch.empty(B, 0, self.V + self.args.dim, device=self.device)
+                return torch.empty(B, 0, self.V + self.H, device=self.device)
         n = pos.shape[1]
         hist = cache.slots[rows].tolist()
         keys = [tuple(hist[b][:p + 1]) for b, prow in enumerate(pos.tolist()) for p in prow]
@@ -146,7 +150,7 @@ class MemoModel:
 
     @torch.inference_mode()
     def _compute(self, keys: list[tuple]) -> dict:
-        L, V = len(self.prefix), self.V + self.args.dim
+        L, V = len(self.prefix), self.V + self.H
         got = {}
         ext = []
         for k in keys:
@@ -246,11 +250,12 @@ def run_verify(models: Models, s: VerifySettings, progress=None) -> dict:
     V = models.vocab
     batch = s.batch or max(16, min(1000, int(3e8 / (4 * V * (s.n + 1)))))  # ~300 MB of logits a forward
     max_len = len(prompt) + s.n + 1
-    target = MemoModel(models.target, prompt)
-    draft = MemoModel(models.draft, prompt) if models.draft is not None else None
     spec = SpeculativeConfig(draft=models.draft_name, num_draft_tokens=s.k, max_draft_tokens=s.max_draft_tokens,
                              draft_sampling=s.draft_sampling, proposer=s.proposer, head=s.head, ngram_min=s.ngram_min,
                              ngram_max=s.ngram_max)
+    taps = tuple(head_for(spec, models).cfg.taps) if s.proposer == "head" else ()
+    target = MemoModel(models.target, prompt, taps=taps)
+    draft = MemoModel(models.draft, prompt) if models.draft is not None else None
     engine = build_engine(with_models(models, target, draft), spec, max_model_len=max_len, max_batch=batch)
     stats = SpecStats()
     counts: dict = {}
