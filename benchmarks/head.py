@@ -77,8 +77,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--trees", nargs="*", default=[], metavar="W1,W2,...|auto",
-                    help="head draft trees (children per depth, k = depth; auto: adaptive k and shape)")
+    ap.add_argument("--trees", nargs="*", default=[], metavar="W1,W2,...|auto|dynamic[:N]",
+                    help="head draft trees (children per depth, k = depth; auto: adaptive k and shape; "
+                         "dynamic: grown by the head's confidence, depth --dynamic-k)")
+    ap.add_argument("--dynamic-k", default="4", help="depth of the dynamic trees (an integer or auto)")
     ap.add_argument("--baseline-head", default=None, help="another head, benchmarked beside --head at k=auto")
     ap.add_argument("--step-ab", action="store_true", help="first time one draft step: fused vs torch ops")
     a = ap.parse_args()
@@ -98,7 +100,8 @@ def main() -> None:
         spec = SpeculativeConfig(proposer="head", head=a.head, num_draft_tokens=k)
         configs.append(bench.Ours(f"head k={k}", build_engine(models, spec, 4096), k, "head"))
     for widths in a.trees:
-        k = "auto" if widths == "auto" else len(widths.split(","))
+        dyn_k = a.dynamic_k if a.dynamic_k == "auto" else int(a.dynamic_k)
+        k = "auto" if widths == "auto" else dyn_k if widths.startswith("dynamic") else len(widths.split(","))
         spec = SpeculativeConfig(proposer="head", head=a.head, num_draft_tokens=k, draft_tree=widths)
         configs.append(bench.Ours(f"head tree {widths}", build_engine(models, spec, 4096), k, "head"))
     if a.baseline_head:

@@ -18,7 +18,7 @@ import time
 import torch
 from serve import cpu_name  # (benchmarks/serve.py: the CPU named in every log)
 
-from specdec.config import SamplingParams, SpeculativeConfig, parse_draft_tree
+from specdec.config import SamplingParams, SpeculativeConfig, parse_draft_tree, tree_text
 from specdec.loader import build_engine, load_models
 from specdec.tools import bench
 from specdec.tools.prompts import load_prompts
@@ -32,7 +32,9 @@ def main() -> None:
     ap.add_argument("--prompts", default="humaneval")
     ap.add_argument("--num-prompts", type=int, default=6)
     ap.add_argument("--chains", default="3,4,5", help="chain k values")
-    ap.add_argument("--trees", nargs="*", default=["2,1,1,1", "2,2,1,1", "3,2,1"], help="tree widths")
+    ap.add_argument("--trees", nargs="*", default=["2,1,1,1", "2,2,1,1", "3,2,1"],
+                    help="tree widths, or dynamic[:N] (grown by the draft's confidence, depth --dynamic-k)")
+    ap.add_argument("--dynamic-k", type=int, default=4, help="depth of the dynamic trees")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--threads", type=int, default=2)
@@ -51,10 +53,10 @@ def main() -> None:
         spec = SpeculativeConfig(draft=a.draft, num_draft_tokens=k, draft_dtype=a.draft_dtype)
         configs.append(bench.Ours(f"chain k={k}", build_engine(models, spec, 4096), k, "draft"))
     for widths in (parse_draft_tree(t) for t in a.trees):
-        spec = SpeculativeConfig(draft=a.draft, num_draft_tokens=len(widths), draft_dtype=a.draft_dtype,
-                                 draft_tree=widths)
-        name = f"tree {','.join(map(str, widths))}"
-        configs.append(bench.Ours(name, build_engine(models, spec, 4096), len(widths), "draft"))
+        k = a.dynamic_k if isinstance(widths, str) else len(widths)
+        spec = SpeculativeConfig(draft=a.draft, num_draft_tokens=k, draft_dtype=a.draft_dtype, draft_tree=widths)
+        name = f"tree {tree_text(widths)}" + (f" k={k}" if isinstance(widths, str) else "")
+        configs.append(bench.Ours(name, build_engine(models, spec, 4096), k, "draft"))
     runs = bench.run_bench(models, settings, configs,
                            progress=lambda what: print(what, flush=True) if "prompt" in what else None)
     summary = bench.summarise(runs, configs, settings.params)

@@ -96,11 +96,13 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="draft tokens per round k in [0, 32], or 'auto': each round picks k in "
                         "[0, --max-draft-tokens] from measured acceptance and costs")
     p.add_argument("--max-draft-tokens", type=_int, default=8, help="k_max for auto, [0, 32]")
-    p.add_argument("--draft-tree", default=None, metavar="W1,W2,...|auto",
-                   help="the draft model drafts a tree: W_d candidates under each node at depth d "
+    p.add_argument("--draft-tree", default=None, metavar="W1,W2,...|auto|dynamic[:N]",
+                   help="the draft model (or head) drafts a tree: W_d candidates under each node at depth d "
                         "(its top ones), all verified in one forward, losslessly; depth = the "
                         "number of widths, cut to the round's k. auto: each round's shape (a chain "
-                        "included) from the measured verify cost and acceptances. Default: off (a chain)")
+                        "included) from the measured verify cost and acceptances. dynamic[:N]: each "
+                        "row's tree grown where the draft is confident (EAGLE-2), N nodes (default 2k), "
+                        "depth k. Default: off (a chain)")
     p.add_argument("--draft-sampling", default="probabilistic", choices=DRAFT_SAMPLING,
                    help="draft samples from q (probabilistic) or takes its argmax (one-hot q)")
     p.add_argument("--draft-dtype", default="auto", choices=DTYPES,

@@ -214,8 +214,9 @@ class SpeculativeConfig:
     ngram_max: int = 4
     draft_tree: str | tuple | None = None  # children per depth ("3,2,1" or (3, 2, 1)): the draft
     # model (or head) drafts a tree of its top candidates, verified losslessly in one forward; "auto": each
-    # round's shape (a chain included) chosen from measured costs and acceptances; None / "off":
-    # a chain. Depth = len(widths), cut to the round's k.
+    # round's shape (a chain included) chosen from measured costs and acceptances; "dynamic" or
+    # "dynamic:N": each row's tree grown by the draft's own confidence (EAGLE-2), N nodes (default
+    # 2k); None / "off": a chain. Depth = len(widths), cut to the round's k.
 
     def __post_init__(self):
         self.draft = _path_or_name("draft", self.draft, "a model; allowed: a registry name, a .gguf "
@@ -336,16 +337,18 @@ MAX_TREE_WIDTH = 8
 
 
 def tree_text(tree) -> str:
-    """A draft tree as the user writes it: "auto" or "3,2,1"."""
+    """A draft tree as the user writes it: "auto", "dynamic:8" or "3,2,1"."""
     return tree if isinstance(tree, str) else ",".join(map(str, tree))
 
 
 def parse_draft_tree(value) -> tuple[int, ...] | str | None:
     """Children per depth as the user wrote them: "3,2,1" or (3, 2, 1); "auto": each round's shape
-    chosen from measured costs and acceptances (specdec.engine.tree_auto); None, "" or "off": no
-    tree. Each width in [1, MAX_TREE_WIDTH], nodes (3 + 3*2 + 3*2*1 = 15 for "3,2,1") at most
-    MAX_TREE_NODES."""
-    allowed = (f"allowed: 'off', 'auto' or children per depth such as '3,2,1' (each in [1, {MAX_TREE_WIDTH}], "
+    chosen from measured costs and acceptances (specdec.engine.tree_auto); "dynamic" or
+    "dynamic:N": grown by the draft's confidence, N nodes in [1, MAX_TREE_NODES] (kept as
+    "dynamic" or "dynamic:N"); None, "" or "off": no tree. Each width in [1, MAX_TREE_WIDTH],
+    nodes (3 + 3*2 + 3*2*1 = 15 for "3,2,1") at most MAX_TREE_NODES."""
+    allowed = (f"allowed: 'off', 'auto', 'dynamic', 'dynamic:N' (N nodes in [1, {MAX_TREE_NODES}]) or "
+               f"children per depth such as '3,2,1' (each in [1, {MAX_TREE_WIDTH}], "
                f"at most {MAX_TREE_NODES} nodes in all)")
     if value is None:
         return None
@@ -355,6 +358,18 @@ def parse_draft_tree(value) -> tuple[int, ...] | str | None:
             return None
         if v == "auto":
             return "auto"
+        if v == "dynamic":
+            return "dynamic"
+        if v.startswith("dynamic:"):
+            try:
+                n = int(v.split(":", 1)[1])
+            except ValueError:
+                raise SpecdecError(f"draft_tree={value!r}: the node count is not an integer; {allowed}",
+                                   "draft_tree") from None
+            if not 1 <= n <= MAX_TREE_NODES:
+                raise SpecdecError(f"draft_tree={value!r}: {n} nodes is outside [1, {MAX_TREE_NODES}]; {allowed}",
+                                   "draft_tree")
+            return f"dynamic:{n}"
         try:
             value = tuple(int(x) for x in v.split(","))
         except ValueError:
@@ -391,3 +406,10 @@ def parse_num_draft_tokens(value) -> int | str:
         raise SpecdecError(f"num_draft_tokens={show(value)} is not 'auto' or an integer; allowed 'auto' "
                            f"or [0, {MAX_DRAFT_TOKENS}]", "num_draft_tokens")
     return check_int("num_draft_tokens", value, 0, MAX_DRAFT_TOKENS)
+
+
+def dynamic_nodes(tree, k: int) -> int | None:
+    """A "dynamic" draft tree's node budget for a round of depth k (None: not dynamic)."""
+    if not isinstance(tree, str) or not tree.startswith("dynamic"):
+        return None
+    return int(tree.split(":", 1)[1]) if ":" in tree else min(MAX_TREE_NODES, 2 * k)

@@ -54,6 +54,9 @@ class Proposal:
     # (specdec.engine.trees). None: a chain, node i's parent is i - 1
     valid: torch.Tensor | None = None  # [B, k] bool, trees only: False for a node the proposer
     # could not fill (its q had fewer candidates than the width); never accepted
+    deterministic: torch.Tensor | None = None  # [B] bool, trees only: rows whose nodes are
+    # deterministic candidates (a dynamic tree: the draft's top tokens), verified without q even
+    # where q is given for other rows
 
 
 @dataclass

@@ -312,10 +312,10 @@ TREE_CASES = ([((2,), s, "probabilistic") for s in ("plain", "temp0.6_topk2")]
                  ((1, 3), "temp0.6_topk2", "probabilistic"), ((2, 2), "penalties", "probabilistic")])
 
 
-def head_tree_engine(target, head, widths, draft_sampling="probabilistic", max_batch=1):
+def head_tree_engine(target, head, widths, draft_sampling="probabilistic", max_batch=1, k=None):
     models = Models(target, None, None, 4, "target", None)
     models.heads["tiny"] = head
-    spec = SpeculativeConfig(head="tiny", num_draft_tokens=len(widths), draft_sampling=draft_sampling,
+    spec = SpeculativeConfig(head="tiny", num_draft_tokens=k or len(widths), draft_sampling=draft_sampling,
                              draft_tree=widths)
     return build_engine(models, spec, max_model_len=64, max_batch=max_batch)
 
@@ -360,6 +360,15 @@ def test_forward_taps_are_the_residual_stream_and_batch_invariant():
         attach(head, target)
 
 
+@pytest.mark.parametrize("which, tree, setting", [("tiny", "dynamic:4", "plain"), ("tiny", "dynamic:6", "temp0.6_topk2"),
+                                                  ("tapped", "dynamic:5", "plain")])
+def test_head_dynamic_tree_joint_equals_target_joint(which, tree, setting, request):
+    """The head grows dynamic trees (its own confidence, deterministic candidates): exact."""
+    target, head = request.getfixturevalue(which)
+    params = SamplingParams(max_tokens=16, **SETTINGS[setting])
+    _assert_joint_exact(head_tree_engine(target, head, tree, k=3), target, params)
+
+
 def _tree_q_smoothed(monkeypatch):
     """A tree's children drawn from the head's q, but the q recorded for the verifier smoothed
     over the whole vocabulary."""
@@ -397,8 +406,8 @@ def test_greedy_head_tree_equals_plain_batched(tiny):
         SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.3)]
     plain = build_engine(Models(target, None, None, 4, "target", None), None, max_model_len=64, max_batch=4)
     want = [plain.generate([p], ps)[0].output for p, ps in zip(prompts, params)]
-    for widths in ((2, 2), (3, 1, 1)):
-        eng = head_tree_engine(target, head, widths, max_batch=4)
+    for widths in ((2, 2), (3, 1, 1), "dynamic:5"):
+        eng = head_tree_engine(target, head, widths, max_batch=4, k=3)
         with later_siblings() as later:
             got = eng.generate(prompts, params)
         assert [r.output for r in got] == want, widths
@@ -502,8 +511,8 @@ def smollm2_models():
 def test_shipped_head_greedy_equals_plain_on_smollm2(smollm2_models):
     """The head shipped for SmolLM2 (`--proposer head` alone finds it), at its native quantisation:
     greedy speculative output equals plain greedy token for token, chat and code prompts, batched
-    and one at a time, at k = 4 and adaptive k, and drafting trees (3, 2, 1 and the adaptive
-    shape), with drafts accepted (held-out prompts: the benchmark's chat set and HumanEval are
+    and one at a time, at k = 4 and adaptive k, and drafting trees (3, 2, 1, the adaptive shape
+    and dynamic trees), with drafts accepted (held-out prompts: the benchmark's chat set and HumanEval are
     never in its training data) and, for the fixed tree, accepted later siblings."""
     from specdec.tools.prompts import CHAT_PROMPTS, humaneval
 
@@ -513,7 +522,7 @@ def test_shipped_head_greedy_equals_plain_on_smollm2(smollm2_models):
     params = SamplingParams(temperature=0, max_tokens=48)
     plain = build_engine(models, None, max_model_len=2048, max_batch=5)
     want = [r.output for r in plain.generate(prompts, params)]
-    for k, tree in ((4, None), ("auto", None), (3, (3, 2, 1)), ("auto", "auto")):
+    for k, tree in ((4, None), ("auto", None), (3, (3, 2, 1)), ("auto", "auto"), (4, "dynamic")):
         eng = build_engine(models, SpeculativeConfig(proposer="head", num_draft_tokens=k, draft_tree=tree),
                            max_model_len=2048, max_batch=5)
         with later_siblings() as later:
@@ -524,7 +533,7 @@ def test_shipped_head_greedy_equals_plain_on_smollm2(smollm2_models):
         drafted = sum(r.stats.draft_tokens for r in got)
         accepted = sum(r.stats.accepted_tokens for r in got)
         assert drafted > 0 and accepted > 0, (k, tree, accepted, drafted)
-        if tree == (3, 2, 1):
+        if tree in ((3, 2, 1), "dynamic"):
             assert later, "no accepted path went through a later sibling"
 
 

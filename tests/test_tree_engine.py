@@ -155,7 +155,7 @@ def test_tree_samples_match_target(models, control, monkeypatch):
 def test_greedy_tree_equals_plain_on_smollm2():
     """SmolLM2-135M at its native quantisation, drafted by itself requantised to Q4_0 (so drafts
     are sometimes wrong and later siblings get their turn): greedy tree speculation equals plain
-    greedy token for token, batched and alone, chat and code prompts."""
+    greedy token for token, batched and alone, chat and code prompts; dynamic trees too."""
     from specdec.loader import load_models
 
     torch.set_num_threads(2)
@@ -173,6 +173,9 @@ def test_greedy_tree_equals_plain_on_smollm2():
     assert [r.output for r in batched] == want and [r.output for r in alone] == want
     assert sum(r.stats.accepted_tokens for r in batched) > 0
     assert sum(r.stats.draft_tokens - r.stats.accepted_tokens for r in batched) > 0  # some rejected
+    spec = SpeculativeConfig(draft="smollm2-135m", draft_dtype="q4_0", num_draft_tokens=4, draft_tree="dynamic:8")
+    dynamic = build_engine(models, spec, 512, max_batch=3).generate(prompts, params)
+    assert [r.output for r in dynamic] == want and sum(r.stats.accepted_tokens for r in dynamic) > 0
 
 
 def test_seed_stable_tree_text_equals_plain_for_50_seeds():

@@ -21,7 +21,7 @@ import time
 import torch
 
 from specdec import grammar, rejection, sampling
-from specdec.config import DEFAULT_MAX_DRAFT_TOKENS, MAX_DRAFT_TOKENS, SamplingParams
+from specdec.config import DEFAULT_MAX_DRAFT_TOKENS, MAX_DRAFT_TOKENS, SamplingParams, dynamic_nodes
 from specdec.engine import trees
 from specdec.engine.adaptive import STEADY_CATCH_UP, k_policy
 from specdec.engine.tree_auto import TreeAuto
@@ -374,9 +374,12 @@ class Engine:
         if self.proposer is None or max(ks) == 0:
             return Proposal(tokens=torch.zeros(B, 0, dtype=torch.long, device=dev),
                             num_draft=torch.zeros(B, dtype=torch.long, device=dev), q=None), 0.0
+        n_nodes = dynamic_nodes(self.draft_tree, max(ks))
         widths = self.draft_tree if self.tree_auto is None else self.tree_auto.choose(ks)
         t0 = time.perf_counter()
-        if widths is not None and (self.tree_auto is None or max(widths) > 1):
+        if n_nodes is not None:
+            prop = self.proposer.propose_dynamic(reqs, ks, n_nodes)
+        elif widths is not None and (self.tree_auto is None or max(widths) > 1):
             prop = self.proposer.propose_tree(reqs, [trees.shape_for(widths, k, r.params)
                                                      for k, r in zip(ks, reqs)])
         else:

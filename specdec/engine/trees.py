@@ -88,10 +88,12 @@ def row_hidden(hidden: torch.Tensor, path: list[int] | None, n: int) -> torch.Te
 
 
 def tree_rows(reqs, prop) -> list[int]:
-    """The rows verified as trees: those that drafted something that is not a plain chain."""
+    """The rows verified as trees: those that drafted something that is not a plain chain, and
+    every row of deterministic candidates (a dynamic tree may be a chain; it has no q)."""
     nd = prop.num_draft.tolist()
+    det = [False] * len(reqs) if prop.deterministic is None else prop.deterministic.tolist()
     return [b for b in range(len(reqs)) if nd[b] and tree_ok(reqs[b].params)
-            and not is_chain(prop.parents[b, : nd[b]].cpu())]
+            and (det[b] or not is_chain(prop.parents[b, : nd[b]].cpu()))]
 
 
 def verify_rows(reqs, rows: list[int], logits: torch.Tensor, prop, V: int, out: torch.Tensor,
@@ -105,9 +107,10 @@ def verify_rows(reqs, rows: list[int], logits: torch.Tensor, prop, V: int, out: 
         for b in idx:
             if b in wanted:
                 n = int(prop.num_draft[b])
-                shapes.setdefault(tuple(prop.parents[b, :n].tolist()), []).append(b)
-        for shape, bs in shapes.items():
-            res = _verify_group(reqs, bs, torch.tensor(shape, dtype=torch.long), logits, prop, params, rng, V)
+                det = prop.deterministic is not None and bool(prop.deterministic[b])
+                shapes.setdefault((det, tuple(prop.parents[b, :n].tolist())), []).append(b)
+        for (det, shape), bs in shapes.items():
+            res = _verify_group(reqs, bs, torch.tensor(shape, dtype=torch.long), logits, prop, params, rng, V, det)
             for g, b in enumerate(bs):
                 m = int(res.num_emitted[g])
                 out[b, :m] = res.tokens[g, :m].to(out.device)  # (the rest stays PLACEHOLDER)
@@ -116,7 +119,8 @@ def verify_rows(reqs, rows: list[int], logits: torch.Tensor, prop, V: int, out: 
     return paths
 
 
-def _verify_group(reqs, bs: list[int], parents: torch.Tensor, logits, prop, params, rng, V: int):
+def _verify_group(reqs, bs: list[int], parents: torch.Tensor, logits, prop, params, rng, V: int,
+                  deterministic: bool = False):
     n, G = len(parents), len(bs)
     ix = torch.tensor(bs)
     tokens = prop.tokens[ix, :n].cpu()
@@ -131,5 +135,5 @@ def _verify_group(reqs, bs: list[int], parents: torch.Tensor, logits, prop, para
         own = sampling.stable_tokens(lg, params, noise.flatten(0, 1)).view(G, n + 1)
         return tree_verify_greedy(own, tokens, parents, valid)
     p = sampling.probabilities(lg, params).view(G, n + 1, V)
-    q = None if prop.q is None else prop.q[ix, :n].cpu()  # None: deterministic candidates
+    q = None if prop.q is None or deterministic else prop.q[ix, :n].cpu()  # None: deterministic candidates
     return tree_verify_stochastic(p, q, tokens, parents, rng, valid)

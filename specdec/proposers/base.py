@@ -18,7 +18,7 @@ import torch
 from specdec.errors import SpecdecError
 from specdec.request import Request
 from specdec.round import Candidate, Proposal, RowResult
-from specdec.tree import pack_shapes, tree_ok
+from specdec.tree import chain, pack_shapes, tree_ok
 
 __all__ = ["Candidate", "Proposal", "Proposer", "ProposerBase"]
 
@@ -70,6 +70,11 @@ class Proposer(Protocol):
         (empty: no drafts); returns a Proposal with `parents` (and `valid`) set."""
         ...
 
+    def propose_dynamic(self, reqs: list[Request], ks: list[int], n_nodes: int) -> Proposal:
+        """Only with draft_tree "dynamic": each row's tree of up to n_nodes nodes and depth ks[b],
+        grown by the draft's confidence (specdec.proposers.dynamic_tree)."""
+        ...
+
     def accept(self, req: Request, result: RowResult) -> None:
         """The row's round is committed (req.tokens already holds it): keep state for the
         committed tokens, drop the rest."""
@@ -119,6 +124,10 @@ class ProposerBase:
         raise SpecdecError(f"proposer {self.name!r} does not draft trees; draft_tree needs a draft model or a head",
                            "draft_tree")
 
+    def propose_dynamic(self, reqs: list[Request], ks: list[int], n_nodes: int) -> Proposal:
+        raise SpecdecError(f"proposer {self.name!r} does not draft trees; draft_tree needs a draft model or a head",
+                           "draft_tree")
+
     def accept(self, req: Request, result: RowResult) -> None:
         pass
 
@@ -163,3 +172,26 @@ class ProposerBase:
                 q[ix] = q_tree
         return Proposal(tokens=tokens, num_draft=num, q=q, parents=parents.to(tokens.device),
                         valid=valid.to(tokens.device))
+
+    def dynamic_round(self, reqs, ks: list[int], grown: list[int], grown_trees, V: int, device=None) -> Proposal:
+        """A dynamic-tree round's Proposal: rows in `grown` drafted grown_trees[i] = (parents,
+        tokens) (specdec.proposers.dynamic_tree: deterministic candidates, marked so); rows the
+        tree verifier does not serve draft a chain of k with `propose`; others nothing."""
+        trees = dict(zip(grown, grown_trees))
+        shapes = [trees[b][0] if b in trees else chain(k) if k and not tree_ok(reqs[b].params)
+                  else torch.zeros(0, dtype=torch.long) for b, k in enumerate(ks)]
+        drafted = [b for b in grown if len(trees[b][0])]
+
+        def filled(rs, ss, N):
+            tokens = torch.zeros(len(drafted), N, dtype=torch.long, device=device)
+            valid = torch.zeros(len(drafted), N, dtype=torch.bool)
+            for i, b in enumerate(drafted):
+                m = len(trees[b][1])
+                tokens[i, :m], valid[i, :m] = trees[b][1].to(tokens.device), True
+            return tokens, valid, None
+
+        prop = self.tree_round(reqs, shapes, drafted, filled, V, device)
+        det = torch.zeros(len(reqs), dtype=torch.bool)
+        det[drafted] = True
+        prop.deterministic = det
+        return prop

@@ -27,6 +27,7 @@ import torch
 
 from specdec import rejection, sampling
 from specdec.logits_state import sampling_groups, stacked_inputs
+from specdec.proposers import dynamic_tree
 from specdec.proposers.base import Candidate, Proposal, ProposerBase
 from specdec.round import RowResult
 from specdec.runtime.kv_cache import prefill as kv_prefill
@@ -141,19 +142,56 @@ class DraftModelProposer(ProposerBase):
                 self._last_k.pop(reqs[b].row, None)
         return prop
 
+    @torch.inference_mode()
+    def propose_dynamic(self, reqs, ks: list[int], n_nodes: int) -> Proposal:
+        """Each row's tree grown by the draft's confidence (specdec.proposers.dynamic_tree); rows
+        the tree verifier does not serve draft a chain as `propose` does."""
+        grown = [b for b, k in enumerate(ks) if k and tree_ok(reqs[b].params)]
+        trees = []
+        if grown:
+            sub = [reqs[b] for b in grown]
+            root, L = self._tree_root(sub)
+            trees = dynamic_tree.grow(sub, [ks[b] for b in grown], n_nodes, root,
+                                      lambda bs, levels: self._level([sub[b] for b in bs], [L[b] for b in bs], levels))
+        prop = self.dynamic_round(reqs, ks, grown, trees, self.V, self.model.device)
+        for b, k in enumerate(ks):
+            if not k:  # (accept then leaves its cache alone)
+                self._L.pop(reqs[b].row, None)
+                self._last_k.pop(reqs[b].row, None)
+        return prop
+
+    def _level(self, reqs, L: list[int], levels) -> list[torch.Tensor]:
+        """One draft forward over each row's fed candidates (dynamic_tree.Level) with tree
+        attention (node j at slot L + j, position L - 1 + depth); logits [len(expand), V] each."""
+        dev = self.model.device
+        feed, positions, slots, mask = dynamic_tree.level_layout(levels, L)
+        width = max(len(lv.expand) for lv in levels)
+        at = torch.tensor([lv.expand + [lv.expand[-1]] * (width - len(lv.expand)) for lv in levels])
+        lg = self._forward(feed.to(dev), positions.to(dev), rows_arg(reqs, dev), logits_at=at.to(dev),
+                           mask=mask.to(dev), slots=slots.to(dev))
+        return [lg[b, : len(lv.expand)] for b, lv in enumerate(levels)]
+
+    def _tree_root(self, reqs) -> tuple[torch.Tensor, list[int]]:
+        """(the draft's logits [n, V] at each row's last committed token, committed lengths L)
+        after feeding the committed tokens it has no KV for; its KV then covers them, and the
+        tree's slots follow."""
+        dev = self.model.device
+        feeds = [r.tokens[self.cache.lengths[r.row]:] for r in reqs]
+        tok, pos = ragged_block(feeds, [self.cache.lengths[r.row] for r in reqs], self.cache.capacity)
+        last = torch.tensor([[len(f) - 1] for f in feeds], device=dev)
+        root = self._forward(tok.to(dev), pos.to(dev), rows_arg(reqs, dev), logits_at=last)[:, 0]  # [n, V]
+        L = [len(r.tokens) for r in reqs]
+        for b, r in enumerate(reqs):
+            self.cache.set_length(r.row, L[b])
+            self._L[r.row], self._last_k[r.row] = L[b], 1  # accept keeps L: the path is caught up
+        return root, L
+
     def _grow(self, reqs, shapes: list[torch.Tensor], N: int):
         """(tokens [n, N], valid [n, N], q [n, N, V] or None) of each row's tree, level by level."""
         n, dev = len(reqs), self.model.device
         q = torch.zeros(n, N, self.V) if self._needs_q(reqs) else None
         rows = rows_arg(reqs, dev)
-        feeds = [r.tokens[self.cache.lengths[r.row]:] for r in reqs]
-        tok, pos = ragged_block(feeds, [self.cache.lengths[r.row] for r in reqs], self.cache.capacity)
-        last = torch.tensor([[len(f) - 1] for f in feeds], device=dev)
-        root = self._forward(tok.to(dev), pos.to(dev), rows, logits_at=last)[:, 0]  # [n, V]
-        L = [len(r.tokens) for r in reqs]
-        for b, r in enumerate(reqs):  # KV for every committed token; the tree's slots follow
-            self.cache.set_length(r.row, L[b])
-            self._L[r.row], self._last_k[r.row] = L[b], 1  # accept keeps L: the path is caught up
+        root, L = self._tree_root(reqs)
         tokens = torch.zeros(n, N, dtype=torch.long)
         valid = torch.zeros(n, N, dtype=torch.bool)
         dep = [depths(s)[1:] for s in shapes]  # [N_b] depth of each node (1: the root's children)

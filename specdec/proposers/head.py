@@ -23,6 +23,7 @@ import time
 import torch
 
 from specdec.head.model import DraftHead, HeadCache
+from specdec.proposers import dynamic_tree
 from specdec.proposers.base import Proposal, ProposerBase
 from specdec.proposers.draft_model import draw, fill_children
 from specdec.round import RowResult
@@ -246,11 +247,7 @@ class HeadProposer(ProposerBase):
         needs_q = self.draft_sampling == "probabilistic" and any(
             not r.params.greedy and not r.params.stable for r in reqs)
         q = torch.zeros(n, N, self.V) if needs_q else None
-        last = torch.tensor([len(c[1]) - 1 for c in chunks])
-        g_root = self._feed(reqs, chunks)[torch.arange(n), last]  # [n, d]
-        for r, c in zip(reqs, chunks):
-            self._consume(r, len(c[1]))
-        fed = [self._fed[r.row] for r in reqs]
+        g_root, fed = self._tree_root(reqs, chunks)
         tokens = torch.zeros(n, N, dtype=torch.long)
         valid = torch.zeros(n, N, dtype=torch.bool)
         dep = [depths(s)[1:] for s in shapes]  # [N_b] depth of each node (1: the root's children)
@@ -286,6 +283,55 @@ class HeadProposer(ProposerBase):
                 self._children(reqs, torch.stack([g[b, j] for b, j in need]),
                                [(b, kids[b][j + 1], bool(valid[b, j])) for b, j in need], tokens, valid, d - 1, q)
         return tokens, valid, q
+
+    def _tree_root(self, reqs, chunks) -> tuple[torch.Tensor, list[int]]:
+        """(g [n, d] at each row's last true pair, the pairs with KV per row) after feeding the
+        rows' pending true pairs."""
+        last = torch.tensor([len(c[1]) - 1 for c in chunks])
+        g_root = self._feed(reqs, chunks)[torch.arange(len(reqs)), last]  # [n, d]
+        for r, c in zip(reqs, chunks):
+            self._consume(r, len(c[1]))
+        return g_root, [self._fed[r.row] for r in reqs]
+
+    @torch.inference_mode()
+    def propose_dynamic(self, reqs, ks: list[int], n_nodes: int) -> Proposal:
+        """Each row's tree grown by the head's confidence (specdec.proposers.dynamic_tree); rows
+        the tree verifier does not serve draft a chain as `propose` does; a row with no pairs to
+        draft from drafts nothing."""
+        chunks = {b: c for b, k in enumerate(ks)
+                  if k and tree_ok(reqs[b].params) and (c := self._pairs(reqs[b])) is not None}
+        grown = list(chunks)
+        trees = []
+        if grown:
+            sub = [reqs[b] for b in grown]
+            g_root, fed = self._tree_root(sub, list(chunks.values()))
+            g_of = [{} for _ in sub]  # per row: candidate (pool index) -> its g, once it was fed
+            trees = dynamic_tree.grow(
+                sub, [ks[b] for b in grown], n_nodes, self._logits(g_root),
+                lambda bs, levels: self._level([sub[b] for b in bs], [fed[b] for b in bs],
+                                               [g_root[b] for b in bs], [g_of[b] for b in bs], levels))
+        return self.dynamic_round(reqs, ks, grown, trees, self.V)
+
+    def _level(self, reqs, fed: list[int], g_root, g_of: list[dict], levels) -> list[torch.Tensor]:
+        """One head step over each row's fed candidates (dynamic_tree.Level): candidate j is the
+        pair (g of its parent, its token) at position fed + depth - 1 and slot fed + j, attending
+        the true pairs and its ancestors; full-vocabulary logits [len(expand), V] each."""
+        feed, positions, slots, mask = dynamic_tree.level_layout(levels, fed)
+        feats = torch.zeros(*feed.shape, self.head.cfg.dim)
+        for b, lv in enumerate(levels):
+            feats[b, : len(lv.tokens)] = torch.stack(
+                [g_root[b] if int(p) < 0 else g_of[b][lv.pool_ids[int(p)]] for p in lv.parents])
+        t0 = time.perf_counter()
+        g = self.head.step(feats, feed, positions.clamp(max=self.capacity - 1), self.cache, [r.row for r in reqs],
+                           mask=mask, slots=slots.clamp(max=self.capacity - 1))
+        self.forward_time += time.perf_counter() - t0
+        self.forwards += 1
+        out = []
+        for b, lv in enumerate(levels):
+            for j, i in enumerate(lv.pool_ids):
+                g_of[b][i] = g[b, j]
+            out.append(self._logits(g[b, lv.expand]))
+        return out
 
     def _children(self, reqs, g: torch.Tensor, todo, tokens, valid, offset: int, q) -> None:
         """Draft the children of nodes: g [m, d] their features, todo[i] = (row, child nodes,
