@@ -49,6 +49,10 @@ from specdec.serve.relay import STREAM_END, RelayedCall, ReplicaMetrics, merge_m
 APP = "specdec"
 ENGINE = "EngineReplica"
 ROUTER = "specdec.serve.routing:PrefixAffinityRouter"
+# Serve kills its HTTP proxy after three readiness checks of 5 s each go unanswered; on a small
+# machine whose cores are busy (replicas loading models, other jobs) the proxy can take longer
+# to answer, and the server then failed to start (seen twice on 2 vCPUs under load).
+PROXY_PATIENCE = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
 MAX_REPLICAS = 64
 UPSCALE_DELAY_S, DOWNSCALE_DELAY_S = 10.0, 120.0
 DIED = ("the engine replica serving this request{where} stopped before finishing it (its process "
@@ -344,6 +348,8 @@ def _start_ray(ray, a) -> None:
         ray.init(address=a.ray_address, **quiet)
     else:  # a new one-machine cluster (never another one found running here): every core for
         # replicas, a small object store (only messages go through it)
+        for name, seconds in PROXY_PATIENCE.items():  # read by Serve's controller, which inherits them
+            os.environ.setdefault(name, seconds)
         ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False,
                  _node_ip_address="127.0.0.1", object_store_memory=256 << 20, **quiet)
 
