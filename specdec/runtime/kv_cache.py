@@ -13,7 +13,7 @@ MAP_NORESERVE, whose pages the OS supplies, zeroed, the first time a forward wri
 therefore holds memory for the tokens it has actually written, not for the context; the kernels
 still see one contiguous row per request (so nothing in them changed, nor the batch-invariance
 that rests on them). `release` hands a row's pages back (madvise MADV_DONTNEED) when the engine
-evicts it from the KV pool (specdec.engine.core). Each (layer, row, head) region is padded to a
+evicts it from the KV pool (specdec.engine.rows). Each (layer, row, head) region is padded to a
 whole number of pages, so that a release never touches a neighbour's slots.
 """
 
