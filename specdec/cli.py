@@ -145,7 +145,7 @@ def _add_constraint_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from specdec.distributed import add_pipeline_args
-    from specdec.head import train
+    from specdec.head import command as train_head_cmd
     from specdec.serve.server import add_serve_args
     from specdec.tools import commands
 
@@ -180,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_verify_args(v)
     t = command(sub, "train-head", "train a draft head for a model on this machine (--proposer head)")
     _add_model_args(t, context=False)
-    train.add_args(t)
+    train_head_cmd.add_args(t)
     b = command(sub, "bench", "tokens/s of speculative settings vs plain decoding (and transformers)")
     _add_model_args(b)
     _add_spec_args(b)
@@ -272,7 +272,7 @@ def _dispatch(a) -> int:
     if a.cmd == "models":
         return cmd_models(a)
     if a.cmd == "train-head":
-        from specdec.head.train import cmd_train_head
+        from specdec.head.command import cmd_train_head
         from specdec.loader import check_model_dtype
 
         check_model_dtype("dtype", a.dtype, a.model, "model")
