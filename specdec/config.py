@@ -234,10 +234,15 @@ class SpeculativeConfig:
         check_choice("draft_dtype", self.draft_dtype, DTYPES)
         check_choice("draft_sampling", self.draft_sampling, DRAFT_SAMPLING)
         self.draft_tree = parse_draft_tree(self.draft_tree)
-        if self.draft_tree is not None and self.proposer not in ("draft", "head"):
-            raise SpecdecError(f"draft_tree={tree_text(self.draft_tree)} needs proposer='draft' or 'head' (a "
-                               f"draft model or a draft head drafts the tree), not {self.proposer!r}; allowed: a "
-                               "draft model or a head, or draft_tree='off'", "draft_tree")
+        dynamic = dynamic_nodes(self.draft_tree, 1) is not None
+        if self.draft_tree is not None and self.proposer == "ngram" and not dynamic:
+            raise SpecdecError(f"draft_tree={tree_text(self.draft_tree)}: an n-gram tree grows from the earlier "
+                               "matches of the context, not a fixed shape; allowed with proposer='ngram': "
+                               "'dynamic', 'dynamic:N' or 'off'", "draft_tree")
+        if self.draft_tree is not None and self.proposer not in ("draft", "head", "ngram"):
+            raise SpecdecError(f"draft_tree={tree_text(self.draft_tree)} needs proposer='draft', 'head' or 'ngram' "
+                               f"(a draft model, a draft head or n-gram matches draft the tree), not "
+                               f"{self.proposer!r}; allowed: one of those, or draft_tree='off'", "draft_tree")
 
     def check_unused(self) -> None:
         """Refuse settings this configuration would ignore (a user who set them expects them to

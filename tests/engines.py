@@ -10,6 +10,15 @@ from specdec.config import SpeculativeConfig
 from specdec.engine import trees
 from specdec.loader import Models, build_engine
 
+# sampling settings for tree rows (the transforms a tree verifier serves) and one on the chain path
+TREE_SETTINGS = {
+    "plain": dict(temperature=1.0),
+    "temp0.6_topk2": dict(temperature=0.6, top_k=2),
+    "topp0.7": dict(temperature=1.0, top_p=0.7),
+    "minp0.3": dict(temperature=0.9, min_p=0.3),
+    "penalties": dict(temperature=1.0, repetition_penalty=1.5, presence_penalty=0.4),  # (the chain path)
+}
+
 
 def make_engine(target, draft, k, draft_sampling="probabilistic", max_batch=1, max_seq_len=64):
     """Plain decoding without a draft, else the draft model proposer with a fixed k (or "auto")."""

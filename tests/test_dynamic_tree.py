@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from engines import later_siblings, make_engine
+from engines import TREE_SETTINGS as SETTINGS, later_siblings, make_engine
 from specdec import tree as tree_mod
 from specdec.config import SamplingParams, SpeculativeConfig, dynamic_nodes
 from specdec.errors import SpecdecError
@@ -26,13 +26,6 @@ from specdec.proposers.dynamic_tree import Pool, select
 from specdec.tools.distribution import engine_joint_exact, target_joint_exact
 
 PROMPT = [1, 2, 3]
-SETTINGS = {
-    "plain": dict(temperature=1.0),
-    "temp0.6_topk2": dict(temperature=0.6, top_k=2),
-    "topp0.7": dict(temperature=1.0, top_p=0.7),
-    "minp0.3": dict(temperature=0.9, min_p=0.3),
-    "penalties": dict(temperature=1.0, repetition_penalty=1.5, presence_penalty=0.4),  # (the chain path)
-}
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +141,10 @@ def test_dynamic_flag_is_checked():
     for bad, msg in (("dynamic:0", "outside"), ("dynamic:33", "outside"), ("dynamic:x", "not an integer")):
         with pytest.raises(SpecdecError, match=msg):
             SpeculativeConfig(draft="x", draft_tree=bad)
-    with pytest.raises(SpecdecError, match="needs proposer='draft' or 'head'"):
-        SpeculativeConfig(proposer="ngram", draft_tree="dynamic")
+    assert SpeculativeConfig(proposer="ngram", draft_tree="dynamic:5").draft_tree == "dynamic:5"
+    for tree in ("2,1", "auto"):  # an n-gram trie has no fixed shape
+        with pytest.raises(SpecdecError, match="n-gram tree grows from the earlier matches"):
+            SpeculativeConfig(proposer="ngram", draft_tree=tree)
+    with pytest.raises(SpecdecError, match="needs proposer='draft', 'head' or 'ngram'"):
+        SpeculativeConfig(proposer="composite", draft="x", draft_tree="dynamic")
     assert SpeculativeConfig(draft="x", draft_tree=" Dynamic:8 ").draft_tree == "dynamic:8"

@@ -2,9 +2,17 @@
 suffix (prompt + generated text). Token-only, so q is one-hot.
 
 The index maps every n-gram (n_min <= n <= n_max) of the committed tokens to the position right
-after its most recent occurrence. It grows by (n_max - n_min + 1) entries per committed token
-and is never rebuilt, so a round costs O(n_max) dictionary lookups whatever the context length.
-Committed tokens never roll back, so neither does the index.
+after its most recent occurrence, and each such position to the one after the n-gram's previous
+occurrence (so every occurrence is reachable, newest first). It grows by (n_max - n_min + 1)
+entries per committed token and is never rebuilt, so a chain costs O(n_max) dictionary lookups
+whatever the context length. Committed tokens never roll back, so neither does the index.
+
+Trees (`draft_tree="dynamic[:N]"`): what followed *several* earlier occurrences of the suffix
+(the longest matched suffix's first, newest first; then shorter suffixes'), merged into a trie
+until it has N nodes: where the text went on differently after the same words, both
+continuations are drafted, and the first path is the chain's. Each node is a deterministic
+candidate (a function of the committed tokens), verified by the deterministic-candidate rule
+(specdec.tree).
 """
 
 from __future__ import annotations
@@ -13,20 +21,68 @@ import torch
 
 from specdec.config import check_ngram_range
 from specdec.proposers.base import Candidate, Proposal, ProposerBase
+from specdec.tree import tree_ok
+
+MATCHES = 8  # earlier occurrences merged into one row's trie
 
 
 class NgramIndex:
     def __init__(self, n_min: int, n_max: int):
         self.n_min, self.n_max = n_min, n_max
         self.last: dict[tuple, int] = {}  # n-gram -> index of the token that followed it
+        # per n: follower index j -> the follower of the same n-gram's previous occurrence (-1: none)
+        self.prev: list[list[int]] = [[-1] for _ in range(n_min, n_max + 1)]
         self.indexed = 0  # n-grams ending before this position are in `last`
 
     def extend(self, tokens: list[int]) -> None:
         """Index every n-gram tokens[j - n:j] whose follower tokens[j] exists (j < len(tokens))."""
         for j in range(max(self.indexed, 1), len(tokens)):  # j: index of the follower token
-            for n in range(self.n_min, min(self.n_max, j) + 1):
-                self.last[tuple(tokens[j - n:j])] = j
+            for n in range(self.n_min, self.n_max + 1):
+                if n > j:
+                    self.prev[n - self.n_min].append(-1)
+                    continue
+                g = tuple(tokens[j - n:j])
+                self.prev[n - self.n_min].append(self.last.get(g, -1))
+                self.last[g] = j
         self.indexed = max(self.indexed, len(tokens))
+
+    def occurrences(self, tokens: list[int], n: int):
+        """Follower indices of the earlier occurrences of tokens' suffix of length n, newest first."""
+        j = self.last.get(tuple(tokens[len(tokens) - n:]), -1)
+        while j >= 0:
+            yield j
+            j = self.prev[n - self.n_min][j]
+
+    def tree(self, tokens: list[int], k: int, n_nodes: int,
+             matches: int = MATCHES) -> tuple[torch.Tensor, torch.Tensor]:
+        """(parents [m], tokens [m]), m <= n_nodes, depth <= k: the trie of what followed up to
+        `matches` earlier occurrences of the suffix, inserted in order (longest suffix first,
+        newest first) until it has n_nodes nodes; breadth-first (a parent before its children).
+        Its first path is the chain `lookup` drafts, so a trie never drafts less than the chain."""
+        L, conts, seen = len(tokens), [], set()
+        for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
+            for j in self.occurrences(tokens, n):
+                if len(conts) == matches:
+                    break
+                if j not in seen:  # (a shorter suffix finds the longer one's occurrences again)
+                    seen.add(j)
+                    conts.append((n, tokens[j:min(j + k, L)]))
+        parent, token, depth = [], [], []
+        child: dict[tuple[int, int], int] = {}
+        for _, cont in conts:
+            p = -1
+            for t in cont:
+                c = child.get((p, t))
+                if c is None:
+                    if len(token) == n_nodes:
+                        break
+                    c = child[(p, t)] = len(token)
+                    parent.append(p), token.append(t), depth.append(1 if p < 0 else depth[p] + 1)
+                p = c
+        order = sorted(range(len(token)), key=lambda i: (depth[i], i))  # breadth-first
+        where = {i: j for j, i in enumerate(order)}
+        return (torch.tensor([-1 if parent[i] < 0 else where[parent[i]] for i in order], dtype=torch.long),
+                torch.tensor([token[i] for i in order], dtype=torch.long))
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         """Up to k tokens that followed the longest earlier match of the suffix of `tokens`."""
@@ -79,3 +135,14 @@ class NgramProposer(ProposerBase):
             tokens[b, :len(f)] = torch.tensor(f, dtype=torch.long)
         num = torch.tensor([len(f) for f in found], dtype=torch.long)
         return Proposal(tokens=tokens, num_draft=num, q=None)
+
+    def propose_dynamic(self, reqs, ks: list[int], n_nodes: int) -> Proposal:
+        """Each row's trie of earlier continuations (NgramIndex.tree); rows the tree verifier does
+        not serve draft a chain as `propose` does."""
+        grown = [b for b, k in enumerate(ks) if k and tree_ok(reqs[b].params)]
+        tries = []
+        for b in grown:
+            idx = self.index[reqs[b].id]
+            idx.extend(reqs[b].tokens)
+            tries.append(idx.tree(reqs[b].tokens, ks[b], n_nodes))
+        return self.dynamic_round(reqs, ks, grown, tries, 0)
