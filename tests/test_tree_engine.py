@@ -122,8 +122,10 @@ def test_draft_tree_flag_is_checked():
         SpeculativeConfig(draft="x", draft_tree="3,0")
     with pytest.raises(SpecdecError, match="nodes"):
         SpeculativeConfig(draft="x", draft_tree="4,4,4")
-    with pytest.raises(SpecdecError, match="needs proposer='draft'"):
+    with pytest.raises(SpecdecError, match="n-gram tree grows from the earlier matches"):
         SpeculativeConfig(proposer="ngram", draft_tree="2,2")
+    with pytest.raises(SpecdecError, match="needs proposer='draft', 'head' or 'ngram'"):
+        SpeculativeConfig(proposer="composite", draft="x", draft_tree="2,2")
     assert SpeculativeConfig(draft="x", draft_tree="off").draft_tree is None
     assert SpeculativeConfig(draft="x", draft_tree="3, 2").draft_tree == (3, 2)
 
