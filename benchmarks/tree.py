@@ -37,7 +37,7 @@ def main() -> None:
     ap.add_argument("--chains", default="3,4,5", help="chain k values")
     ap.add_argument("--trees", nargs="*", default=["2,1,1,1", "2,2,1,1", "3,2,1"],
                     help="tree widths, or dynamic[:N] (grown by the draft's confidence, depth --dynamic-k)")
-    ap.add_argument("--dynamic-k", type=int, default=4, help="depth of the dynamic trees")
+    ap.add_argument("--dynamic-k", default="4", help="depth of the dynamic trees, or auto (adaptive k)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--threads", type=int, default=2)
@@ -59,7 +59,7 @@ def main() -> None:
         spec = SpeculativeConfig(num_draft_tokens=k, **kw)
         configs.append(bench.Ours(f"chain k={k}", build_engine(models, spec, 4096), k, a.proposer))
     for widths in (parse_draft_tree(t) for t in a.trees):
-        k = a.dynamic_k if isinstance(widths, str) else len(widths)
+        k = (a.dynamic_k if a.dynamic_k == "auto" else int(a.dynamic_k)) if isinstance(widths, str) else len(widths)
         spec = SpeculativeConfig(num_draft_tokens=k, draft_tree=widths, **kw)
         name = f"tree {tree_text(widths)}" + (f" k={k}" if isinstance(widths, str) else "")
         configs.append(bench.Ours(name, build_engine(models, spec, 4096), k, a.proposer))

@@ -11,8 +11,10 @@ import pytest
 
 from conftest import tiny_model
 from specdec.engine.adaptive import AdaptiveK, CostCurve, FixedK, expected_tokens, k_policy
-from specdec.config import SamplingParams
+from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.engine import Engine
+from specdec.engine.trees import verify_width
+from specdec.loader import Models, build_engine
 from specdec.proposers import DraftModelProposer, NgramProposer
 from specdec.proposers.composite import CompositeProposer
 from specdec.round import Candidate, Choice, RowResult
@@ -471,3 +473,34 @@ def test_exploration_under_load_is_proportionally_rarer():
         if any(c.k for c in cs):
             explored.append(i)
     assert explored == [EXPLORE_EVERY * 8 - 1], explored
+
+
+def test_a_draft_tree_is_priced_at_its_verify_width():
+    """A dynamic tree of depth k verifies 2k + 1 tokens per row, not k + 1: on a steep verify
+    curve (1 + 0.15 per extra token, measured to 17 tokens) at the same per-depth acceptance (~0.7)
+    the tree's k comes out shorter than the chain's, and each choice is the argmax of expected
+    tokens over the cost at its own width."""
+    chosen = {}
+    for tree in (None, "dynamic", (2, 1, 1, 1)):
+        width = verify_width(tree)
+        kmax = 4 if isinstance(tree, tuple) else 6  # (the engine caps k at a fixed shape's depth)
+        pol = AdaptiveK(kmax, width=width)
+        r = _Req(1)
+        pol.begin(r)
+        for w in range(1, 18):
+            pol.observe_target(1, w, 1.0 + 0.15 * (w - 1))
+        for k in range(1, 7):
+            pol.observe_draft_cost(k, 0.0001 * k, "ngram")
+        for n in [1, 2, 3, 0, 6, 4, 2, 5] * 8:  # ~0.7 per depth
+            pol.observe_round(r, 6, n, "ngram")
+        k = chosen[tree] = pol.choose(r, 1, kmax, "ngram")
+        alphas = pol._alphas(r, "ngram", kmax)
+        w = width or (lambda k: k + 1)
+        rate = [expected_tokens(alphas, j) / (1.0 + 0.15 * (w(j) - 1 if j else 0)) for j in range(kmax + 1)]
+        assert k == max(range(kmax + 1), key=lambda j: (rate[j], -j)), (tree, rate)
+    assert 0 < chosen["dynamic"] < chosen[None]
+    assert chosen[(2, 1, 1, 1)] <= chosen[None]
+    target = tiny_model(seed=1, vocab=8, dim=16, layers=1, heads=2, kv_heads=1, inter=16, max_seq_len=64)
+    models = Models(target, None, target, 8, "target", "draft")
+    spec = SpeculativeConfig(draft="draft", num_draft_tokens="auto", max_draft_tokens=8, draft_tree=(2, 1, 1, 1))
+    assert build_engine(models, spec, max_model_len=64).policy.k_max == 4

@@ -4,7 +4,7 @@ Adaptive k (`num_draft_tokens="auto"`) picks, each round and for each request, t
 [0, k_max] that maximises expected committed tokens per second:
 
     E[tokens | k] = 1 + sum_{j=1..k} prod_{i=1..j} alpha_i
-    cost(k)       = t_target(B, k + 1) + t_draft(k)
+    cost(k)       = t_target(B, k + 1) + t_draft(k)      (a draft tree: t_target(B, nodes(k) + 1))
     k*            = argmax_k E[tokens | k] / cost(k)          (k = 0 is plain decoding)
 
 alpha_i is the request's running estimate of P(draft i accepted | drafts 1..i-1 accepted): a
@@ -149,9 +149,13 @@ class AdaptiveK:
     SPECULATING = 0.25  # below this decayed share of rounds that drafted, at a batch size, a
     # draft model's prompt is left to catch-up (priced, maybe never paid) instead of prefilled
 
-    def __init__(self, k_max: int, cost=None, free_sources: set[str] = frozenset()):
+    def __init__(self, k_max: int, cost=None, free_sources: set[str] = frozenset(),
+                 width: Callable[[int], int] | None = None):
         self.k_max = k_max
         self.cost = cost
+        # tokens a row verifies in a round of depth k: k + 1 for a chain; a draft tree's nodes
+        # + 1 (its verify forward is that wide, whatever the depth)
+        self.width = width or (lambda k: k + 1)
         # Target: seconds per verify forward over its real shape, rows x (k + 1) tokens, one curve
         # for every batch size (a plain round of 16 rows and a k = 3 round of 4 rows both verify
         # 16 tokens). Draft: seconds per draft step over the rows drafting, per proposer.
@@ -249,9 +253,10 @@ class AdaptiveK:
         mix = {source: 1.0} if source else shares  # whose draft cost: the named proposer's, or a mix
         costs = []
         for k in range(kmax + 1):
-            tt = self.target.estimate(B * (k + 1))
+            w = self.width(k) if k else 1
+            tt = self.target.estimate(B * w)
             if tt is None:
-                tt = t1 * (1 + VERIFY_PRIOR_SLOPE * k)
+                tt = t1 * (1 + VERIFY_PRIOR_SLOPE * (w - 1))
             costs.append(tt + self._draft_cost(mix, k, t1, B))
         return costs
 
@@ -451,8 +456,9 @@ class AdaptiveK:
 
 
 def k_policy(num_draft_tokens: int | str, max_draft_tokens: int, cost=None,
-             free_sources: set[str] = frozenset()) -> KPolicy:
-    """FixedK for an int, AdaptiveK(max_draft_tokens) for "auto"."""
+             free_sources: set[str] = frozenset(), width: Callable[[int], int] | None = None) -> KPolicy:
+    """FixedK for an int, AdaptiveK(max_draft_tokens) for "auto" (width: tokens verified per row
+    at depth k, for draft trees)."""
     if num_draft_tokens == "auto":
-        return AdaptiveK(max_draft_tokens, cost, free_sources)
+        return AdaptiveK(max_draft_tokens, cost, free_sources, width)
     return FixedK(int(num_draft_tokens))

@@ -29,6 +29,7 @@ from functools import lru_cache
 import torch
 
 from specdec import rejection, sampling
+from specdec.config import dynamic_nodes
 from specdec.logits_state import sampling_groups
 from specdec.tree import (ancestor_mask, chain, depths, tree_from_widths, tree_ok, tree_verify_greedy,
                           tree_verify_stochastic)
@@ -38,6 +39,17 @@ def shape_for(widths: tuple[int, ...], k: int, params) -> torch.Tensor:
     """parents [N] of the row's round: the widths' first k levels, a chain of k where the tree
     verifier does not serve the row, nothing at k = 0."""
     return _shape(tuple(widths), k, tree_ok(params))
+
+
+def verify_width(draft_tree):
+    """Tokens a row verifies in a round of depth k, as adaptive k prices it: a fixed shape's
+    first k levels' nodes + 1, a dynamic tree's node budget + 1 (None: a chain's k + 1; "auto"
+    picks each round's shape after k, from its own measured costs)."""
+    if dynamic_nodes(draft_tree, 1) is not None:
+        return lambda k: dynamic_nodes(draft_tree, k) + 1
+    if draft_tree is None or draft_tree == "auto":
+        return None
+    return lambda k: len(_shape(tuple(draft_tree), k, True)) + 1
 
 
 @lru_cache(maxsize=256)
