@@ -58,7 +58,22 @@ def kernel(request, monkeypatch):
 @pytest.mark.parametrize("widths", SHAPES)
 def test_tree_logits_equal_each_paths_causal_logits(kernel, widths):
     model = tiny_model(seed=3, vocab=64)
-    parents, prompt, nodes, _, tree_logits, _ = scored_tree(model, widths, sum(widths), 11)
+    check_paths(kernel, model, widths, 11)
+
+
+@pytest.mark.parametrize("head_dim, kv_heads", [(64, 1), (64, 2), (128, 2)])
+def test_tree_logits_equal_paths_at_real_head_dims(head_dim, kv_heads):
+    """The fused path at SmolLM2's and Qwen's head sizes (64, 128), with query groups of 2 and 4
+    sharing a KV head (it scores a group's queries in tiles, a tree's through each query's own
+    visible slots), after a 40-token history: bit-identical to each path's causal forward."""
+    if not fused.available():
+        pytest.skip("the fused extension did not build on this machine")
+    model = tiny_model(seed=5, vocab=64, dim=4 * head_dim, heads=4, kv_heads=kv_heads, inter=64)
+    check_paths("fused", model, (3, 2, 1), 40)
+
+
+def check_paths(kernel, model, widths, prompt_len):
+    parents, prompt, nodes, _, tree_logits, _ = scored_tree(model, widths, sum(widths), prompt_len)
     for j in range(-1, len(parents)):
         path = path_to(parents, j)
         seq = prompt + [nodes[i] for i in path]

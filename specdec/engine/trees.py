@@ -41,6 +41,11 @@ def shape_for(widths: tuple[int, ...], k: int, params) -> torch.Tensor:
     return _shape(tuple(widths), k, tree_ok(params))
 
 
+def depth_cap(draft_tree, k_max: int) -> int:
+    """Adaptive k's k_max: a fixed shape drafts at most its own depth."""
+    return min(k_max, len(draft_tree)) if isinstance(draft_tree, tuple) else k_max
+
+
 def verify_width(draft_tree):
     """Tokens a row verifies in a round of depth k, as adaptive k prices it: a fixed shape's
     first k levels' nodes + 1, a dynamic tree's node budget + 1 (None: a chain's k + 1; "auto"

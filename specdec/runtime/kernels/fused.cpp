@@ -121,12 +121,19 @@ inline void rope_rot(const float* x, const float* c, const float* s, float* y, i
 // GCC keeps the accumulators in memory (a store per slot).  Hot in cache, one thread, Qwen
 // shapes (D = 128, 200 slots), cycles per query and slot: 48 (NT = 4, accumulators stored every
 // slot), 34 (NT = 4 unrolled), 27.6 (NT = 6 unrolled).
-// q: the tile's rotated queries [NT][D]; sc, e: [NT][n8] scratch (n8 = max n rounded up to 8).
+// q: the tile's rotated queries [NT][D]; sc, e: [NT][n8] scratch (n8 = max n, or top with vis,
+// rounded up to 8).
+// A draft tree (vis): query i sees the n[i] slots vis[i][0..n[i]) (increasing): the shared
+// history 0 .. shared-1 (the same for every query of the tile), then its own visible new slots,
+// all below top.  Every slot below top is scored for every query, and each query's scores are
+// then gathered into its visible order: the per-query loop's list, so the same bits.
 template <int NT>
 void attend_tile(const float* q, const int64_t* n, int64_t D, const float* kb, int64_t ks, const float* vb,
-                 int64_t vs, float scale, float* sc, float* e, int64_t n8, float* const* out) {
+                 int64_t vs, float scale, float* sc, float* e, int64_t n8, float* const* out,
+                 const int32_t* const* vis = nullptr, int64_t shared = 0, int64_t top = 0) {
   int64_t nmin = n[0], nmax = n[0];
   for (int i = 1; i < NT; ++i) nmin = std::min(nmin, n[i]), nmax = std::max(nmax, n[i]);
+  if (vis) nmin = shared, nmax = top;  // (scores for slots 0 .. top-1; shared read by every query)
   // scores, two keys per pass over d (2 x NT independent FMA chains); a key past a query's own
   // n is scored but never read.  The rows 8 slots on are prefetched, values too (the first tile
   // of a head meets them in DRAM: the cache of all layers is larger than L3's share)
@@ -157,6 +164,9 @@ void attend_tile(const float* q, const int64_t* n, int64_t D, const float* kb, i
       if (two) sc[i * n8 + j + 1] = hsum(a1[i]) * scale;
     }
   }
+  if (vis)  // each query's visible scores in its own order (vis[i][u] >= u: reads stay ahead)
+    for (int i = 0; i < NT; ++i)
+      for (int64_t u = shared; u < n[i]; ++u) sc[i * n8 + u] = sc[i * n8 + vis[i][u]];
   float inv[NT];
   for (int i = 0; i < NT; ++i) {  // softmax over the query's own slots
     float* si = sc + i * n8;
@@ -194,7 +204,7 @@ void attend_tile(const float* q, const int64_t* n, int64_t D, const float* kb, i
 #pragma GCC unroll 8
     for (int i = 0; i < NT; ++i) {
       for (int64_t j = nmin; j < n[i]; ++j) {
-        const float* vr = vb + j * vs + c;
+        const float* vr = vb + (vis ? vis[i][j] : j) * vs + c;
         const __m256 ev = _mm256_set1_ps(e[i * n8 + j]);
         acc0[i] = _mm256_fmadd_ps(ev, _mm256_loadu_ps(vr), acc0[i]);
         if (w2) acc1[i] = _mm256_fmadd_ps(ev, _mm256_loadu_ps(vr + 8), acc1[i]);
@@ -364,7 +374,12 @@ torch::Tensor attend(const torch::Tensor& qkv, const torch::Tensor& positions, c
   // Qwen 1.5B shapes, 28 calls at 200 slots, caches flushed between forwards, 2 threads, in one
   // process: T = 1 1.28 ms grouped against 2.22 per query; T = 5 3.32 against 4.16 (the previous
   // grouped path: tiles of 4, dynamic schedule, no prefetch).
-  const bool grouped = !has_mask && D % 8 == 0 && D <= 128;
+  // A draft tree's mask takes it too (attend_tile's vis), unless some query sees no slot at all.
+  bool seen_by_all = true;
+  for (int64_t b = 0; b < B && has_mask; ++b)
+    for (int64_t t = 0; t < T && sl[b * T] == 0; ++t)
+      seen_by_all = seen_by_all && std::any_of(mp + (b * T + t) * T, mp + (b * T + t + 1) * T, [](bool v) { return v; });
+  const bool grouped = seen_by_all && D % 8 == 0 && D <= 128;
   // grouped: the T x group queries of a KV head, t-major, in tiles of NQ; one tile per work item
   constexpr int NQ = 6;
   const int64_t nqh = T * group, tiles = (nqh + NQ - 1) / NQ, items = B * Hkv * tiles;
@@ -387,31 +402,45 @@ torch::Tensor attend(const torch::Tensor& qkv, const torch::Tensor& positions, c
       // (dynamic handed both threads tiles of the same head: 3.65 ms against 3.00 at T = 5).
       // No query's arithmetic depends on its tile or thread.
       std::vector<float> qt(NQ * D);
+      std::vector<int32_t> vl[NQ];  // with a mask: each query's visible slots
+      const int32_t* vis[NQ];
 #pragma omp for schedule(static)
       for (int64_t it = 0; it < items; ++it) {
         const int64_t b = it / (Hkv * tiles), kh = it / tiles % Hkv, q0 = it % tiles * NQ;
         const float* kb = kp + row[b] * ks0 + kh * ks1;
         const float* vb = vp + row[b] * vs0 + kh * vs1;
         const int tile = static_cast<int>(std::min<int64_t>(NQ, nqh - q0));
-        int64_t n[NQ], nmax = 0;
+        int64_t n[NQ], nmax = 0, p0 = has_mask ? sl[b * T] : 0, top = p0;
         float* orow[NQ];
         for (int i = 0; i < tile; ++i) {
           const int64_t t = (q0 + i) / group, h = kh * group + (q0 + i) % group, bt = b * T + t, p = pos[bt];
           n[i] = p + 1;
+          if (has_mask) {  // the history, then the new slots the mask allows, increasing
+            vl[i].resize(p0);
+            for (int64_t j = 0; j < p0; ++j) vl[i][j] = static_cast<int32_t>(j);
+            const size_t own = vl[i].size();
+            for (int64_t u = 0; u < T; ++u)
+              if (mp[bt * T + u]) vl[i].push_back(static_cast<int32_t>(sl[b * T + u]));
+            std::sort(vl[i].begin() + own, vl[i].end());
+            n[i] = static_cast<int64_t>(vl[i].size());
+            vis[i] = vl[i].data();
+            top = std::max<int64_t>(top, vl[i].back() + 1);
+          }
           nmax = std::max(nmax, n[i]);
           rope_rot(qp + bt * N + h * D, cp + p * half, sp + p * half, qt.data() + i * D, half);
           orow[i] = op + bt * H * D + h * D;
         }
-        const int64_t n8 = (nmax + 7) / 8 * 8;
+        const int64_t n8 = (std::max(nmax, top) + 7) / 8 * 8;
         sc.resize(NQ * n8);
         e.resize(NQ * n8);
+        const int32_t* const* v = has_mask ? vis : nullptr;
         switch (tile) {
-          case 1: attend_tile<1>(qt.data(), n, D, kb, ks2, vb, vs2, scale, sc.data(), e.data(), n8, orow); break;
-          case 2: attend_tile<2>(qt.data(), n, D, kb, ks2, vb, vs2, scale, sc.data(), e.data(), n8, orow); break;
-          case 3: attend_tile<3>(qt.data(), n, D, kb, ks2, vb, vs2, scale, sc.data(), e.data(), n8, orow); break;
-          case 4: attend_tile<4>(qt.data(), n, D, kb, ks2, vb, vs2, scale, sc.data(), e.data(), n8, orow); break;
-          case 5: attend_tile<5>(qt.data(), n, D, kb, ks2, vb, vs2, scale, sc.data(), e.data(), n8, orow); break;
-          default: attend_tile<6>(qt.data(), n, D, kb, ks2, vb, vs2, scale, sc.data(), e.data(), n8, orow); break;
+          case 1: attend_tile<1>(qt.data(), n, D, kb, ks2, vb, vs2, scale, sc.data(), e.data(), n8, orow, v, p0, top); break;
+          case 2: attend_tile<2>(qt.data(), n, D, kb, ks2, vb, vs2, scale, sc.data(), e.data(), n8, orow, v, p0, top); break;
+          case 3: attend_tile<3>(qt.data(), n, D, kb, ks2, vb, vs2, scale, sc.data(), e.data(), n8, orow, v, p0, top); break;
+          case 4: attend_tile<4>(qt.data(), n, D, kb, ks2, vb, vs2, scale, sc.data(), e.data(), n8, orow, v, p0, top); break;
+          case 5: attend_tile<5>(qt.data(), n, D, kb, ks2, vb, vs2, scale, sc.data(), e.data(), n8, orow, v, p0, top); break;
+          default: attend_tile<6>(qt.data(), n, D, kb, ks2, vb, vs2, scale, sc.data(), e.data(), n8, orow, v, p0, top); break;
         }
       }
     } else {
