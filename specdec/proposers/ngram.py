@@ -21,6 +21,7 @@ import torch
 
 from specdec.config import check_ngram_range
 from specdec.proposers.base import Candidate, Proposal, ProposerBase
+from specdec.proposers.dynamic_tree import Pool, select
 from specdec.tree import tree_ok
 
 MATCHES = 8  # earlier occurrences merged into one row's trie
@@ -66,23 +67,19 @@ class NgramIndex:
                     break
                 if j not in seen:  # (a shorter suffix finds the longer one's occurrences again)
                     seen.add(j)
-                    conts.append((n, tokens[j:min(j + k, L)]))
-        parent, token, depth = [], [], []
-        child: dict[tuple[int, int], int] = {}
-        for _, cont in conts:
+                    conts.append(tokens[j:min(j + k, L)])
+        pool, child = Pool(), {}  # child: (parent, token) -> pool index
+        for cont in conts:
             p = -1
             for t in cont:
                 c = child.get((p, t))
                 if c is None:
-                    if len(token) == n_nodes:
+                    if len(pool.token) == n_nodes:
                         break
-                    c = child[(p, t)] = len(token)
-                    parent.append(p), token.append(t), depth.append(1 if p < 0 else depth[p] + 1)
+                    c = child[(p, t)] = len(pool.token)  # scored by insertion: select keeps them all
+                    pool.add(p, t, -float(c), 1 if p < 0 else pool.depth[p] + 1)
                 p = c
-        order = sorted(range(len(token)), key=lambda i: (depth[i], i))  # breadth-first
-        where = {i: j for j, i in enumerate(order)}
-        return (torch.tensor([-1 if parent[i] < 0 else where[parent[i]] for i in order], dtype=torch.long),
-                torch.tensor([token[i] for i in order], dtype=torch.long))
+        return select(pool, n_nodes)
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         """Up to k tokens that followed the longest earlier match of the suffix of `tokens`."""
