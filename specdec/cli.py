@@ -103,7 +103,7 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
                         "included) from the measured verify cost and acceptances. dynamic[:N]: each "
                         "row's tree grown where the draft is confident (EAGLE-2), N nodes (default 2k), "
                         "depth k; with --proposer ngram, the trie of what followed several earlier "
-                        "matches. Default: off (a chain)")
+                        "matches; with --proposer composite, the union of both. Default: off (a chain)")
     p.add_argument("--draft-sampling", default="probabilistic", choices=DRAFT_SAMPLING,
                    help="draft samples from q (probabilistic) or takes its argmax (one-hot q)")
     p.add_argument("--draft-dtype", default="auto", choices=DTYPES,

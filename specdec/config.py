@@ -239,10 +239,10 @@ class SpeculativeConfig:
             raise SpecdecError(f"draft_tree={tree_text(self.draft_tree)}: an n-gram tree grows from the earlier "
                                "matches of the context, not a fixed shape; allowed with proposer='ngram': "
                                "'dynamic', 'dynamic:N' or 'off'", "draft_tree")
-        if self.draft_tree is not None and self.proposer not in ("draft", "head", "ngram"):
-            raise SpecdecError(f"draft_tree={tree_text(self.draft_tree)} needs proposer='draft', 'head' or 'ngram' "
-                               f"(a draft model, a draft head or n-gram matches draft the tree), not "
-                               f"{self.proposer!r}; allowed: one of those, or draft_tree='off'", "draft_tree")
+        if self.draft_tree is not None and self.proposer == "composite" and not dynamic:
+            raise SpecdecError(f"draft_tree={tree_text(self.draft_tree)}: a composite tree is the union of the "
+                               "n-gram trie and the draft model's dynamic tree, not a fixed shape; allowed with "
+                               "proposer='composite': 'dynamic', 'dynamic:N' or 'off'", "draft_tree")
 
     def check_unused(self) -> None:
         """Refuse settings this configuration would ignore (a user who set them expects them to

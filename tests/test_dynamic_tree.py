@@ -145,6 +145,8 @@ def test_dynamic_flag_is_checked():
     for tree in ("2,1", "auto"):  # an n-gram trie has no fixed shape
         with pytest.raises(SpecdecError, match="n-gram tree grows from the earlier matches"):
             SpeculativeConfig(proposer="ngram", draft_tree=tree)
-    with pytest.raises(SpecdecError, match="needs proposer='draft', 'head' or 'ngram'"):
-        SpeculativeConfig(proposer="composite", draft="x", draft_tree="dynamic")
+    assert SpeculativeConfig(proposer="composite", draft="x", draft_tree="dynamic").draft_tree == "dynamic"
+    for tree in ("2,1", "auto"):  # a composite tree is a union of the parts' own trees
+        with pytest.raises(SpecdecError, match="composite tree is the union"):
+            SpeculativeConfig(proposer="composite", draft="x", draft_tree=tree)
     assert SpeculativeConfig(draft="x", draft_tree=" Dynamic:8 ").draft_tree == "dynamic:8"

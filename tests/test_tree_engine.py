@@ -124,7 +124,7 @@ def test_draft_tree_flag_is_checked():
         SpeculativeConfig(draft="x", draft_tree="4,4,4")
     with pytest.raises(SpecdecError, match="n-gram tree grows from the earlier matches"):
         SpeculativeConfig(proposer="ngram", draft_tree="2,2")
-    with pytest.raises(SpecdecError, match="needs proposer='draft', 'head' or 'ngram'"):
+    with pytest.raises(SpecdecError, match="composite tree is the union"):
         SpeculativeConfig(proposer="composite", draft="x", draft_tree="2,2")
     assert SpeculativeConfig(draft="x", draft_tree="off").draft_tree is None
     assert SpeculativeConfig(draft="x", draft_tree="3, 2").draft_tree == (3, 2)

@@ -3,14 +3,19 @@
 Default order: n-gram lookup (free) first, then the draft model. A proposer that was not used
 for a row in a round is simply not told about that round; proposers that keep their own cache
 (the draft model) catch up on every committed token the next time they are asked.
+
+With `draft_tree="dynamic[:N]"` every part drafts ("both", `propose_dynamic`): a row's tree is
+the union of the n-gram trie and the draft model's own dynamic tree.
 """
 
 from __future__ import annotations
 
 import torch
 
+from specdec.proposers import dynamic_tree
 from specdec.proposers.base import Candidate, Proposal, ProposerBase
 from specdec.round import RowResult
+from specdec.tree import tree_ok
 
 
 class CompositeProposer(ProposerBase):
@@ -90,6 +95,26 @@ class CompositeProposer(ProposerBase):
                 q[b, :n] = c[1] if c[1] is not None else torch.nn.functional.one_hot(c[0], q.shape[-1]).float()
         source = [self._used[r.id].name if r.id in self._used else self.name for r in reqs]
         return Proposal(tokens=tokens, num_draft=num, q=q, source=source, catch_up=catch_up)
+
+    def propose_dynamic(self, reqs, ks: list[int], n_nodes: int) -> Proposal:
+        """Every part's tree at once: a row's tree is the union (dynamic_tree.union) of its parts'
+        trees in order, the n-gram trie first with at most half the N nodes (a free guess; its
+        first path is the chain the lookup drafts), then the draft model's tree, grown by its
+        confidence as alone, filling the rest; a prefix both guessed is one node. Every node is
+        a deterministic candidate (a function of the committed tokens), so the verifier takes
+        the union with the deterministic-candidate rule. Rows the tree verifier does not serve
+        draft a chain as `propose` does (the first part that drafts)."""
+        grown = [b for b, k in enumerate(ks) if k and tree_ok(reqs[b].params)]
+        sub, sub_ks = [reqs[b] for b in grown], [ks[b] for b in grown]
+        budgets = [(n_nodes + 1) // 2] * (len(self.proposers) - 1) + [n_nodes]
+        by_part = [p.grow_dynamic(sub, sub_ks, n) for p, n in zip(self.proposers, budgets)]
+        trees = [dynamic_tree.union(list(ts), n_nodes) for ts in zip(*by_part)]
+        model = next((p.model for p in self.proposers if getattr(p, "model", None) is not None), None)
+        V = max((getattr(p, "V", 0) for p in self.proposers), default=0)
+        prop = self.dynamic_round(reqs, ks, grown, trees, V, None if model is None else model.device)
+        for r in sub:  # the last part (the draft model) keeps the KV it fed for the committed tokens
+            self._used[r.id] = self.proposers[-1]
+        return prop
 
     def accept(self, req, result: RowResult) -> None:
         p = self._used.get(req.id)

@@ -147,18 +147,23 @@ class DraftModelProposer(ProposerBase):
         """Each row's tree grown by the draft's confidence (specdec.proposers.dynamic_tree); rows
         the tree verifier does not serve draft a chain as `propose` does."""
         grown = [b for b, k in enumerate(ks) if k and tree_ok(reqs[b].params)]
-        trees = []
-        if grown:
-            sub = [reqs[b] for b in grown]
-            root, L = self._tree_root(sub)
-            trees = dynamic_tree.grow(sub, [ks[b] for b in grown], n_nodes, root,
-                                      lambda bs, levels: self._level([sub[b] for b in bs], [L[b] for b in bs], levels))
+        trees = self.grow_dynamic([reqs[b] for b in grown], [ks[b] for b in grown], n_nodes)
         prop = self.dynamic_round(reqs, ks, grown, trees, self.V, self.model.device)
         for b, k in enumerate(ks):
             if not k:  # (accept then leaves its cache alone)
                 self._L.pop(reqs[b].row, None)
                 self._last_k.pop(reqs[b].row, None)
         return prop
+
+    @torch.inference_mode()
+    def grow_dynamic(self, reqs, ks: list[int], n_nodes: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each row's dynamic tree [(parents, tokens)] (every row drafts: k > 0, tree verifier
+        rows); the draft's KV then covers the committed tokens (accept keeps them)."""
+        if not reqs:
+            return []
+        root, L = self._tree_root(reqs)
+        return dynamic_tree.grow(reqs, ks, n_nodes, root,
+                                 lambda bs, levels: self._level([reqs[b] for b in bs], [L[b] for b in bs], levels))
 
     def _level(self, reqs, L: list[int], levels) -> list[torch.Tensor]:
         """One draft forward over each row's fed candidates (dynamic_tree.Level) with tree

@@ -85,6 +85,29 @@ def select(pool: Pool, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return parents, tokens
 
 
+def union(trees: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The union trie of trees [(parents [m_i], tokens [m_i])], each a parent before its
+    children, as (parents, tokens) of at most n nodes, breadth-first: the trees' nodes are added
+    in order (the first tree's, then the next's) while there is room; a node whose path is
+    already there is shared, one whose parent was left out is left out. Siblings stay distinct
+    tokens, so the union is a set of deterministic candidates when each tree is."""
+    pool, child = Pool(), {}  # child: (pool parent, token) -> pool index
+    for parents, tokens in trees:
+        where = {}  # this tree's node -> pool index
+        for j, (p, t) in enumerate(zip(parents.tolist(), tokens.tolist())):
+            if p >= 0 and p not in where:
+                continue
+            up = where[p] if p >= 0 else -1
+            c = child.get((up, t))
+            if c is None:
+                if len(pool.token) == n:
+                    continue
+                c = child[(up, t)] = len(pool.token)  # scored by insertion: select keeps them all
+                pool.add(up, t, -float(c), 1 if up < 0 else pool.depth[up] + 1)
+            where[j] = c
+    return select(pool, n)
+
+
 @dataclass
 class Level:
     """One row's part of a growth forward: the fed candidates (pool indices, ascending, so in

@@ -21,7 +21,7 @@ import torch
 
 from specdec.config import check_ngram_range
 from specdec.proposers.base import Candidate, Proposal, ProposerBase
-from specdec.proposers.dynamic_tree import Pool, select
+from specdec.proposers.dynamic_tree import union
 from specdec.tree import tree_ok
 
 MATCHES = 8  # earlier occurrences merged into one row's trie
@@ -68,18 +68,8 @@ class NgramIndex:
                 if j not in seen:  # (a shorter suffix finds the longer one's occurrences again)
                     seen.add(j)
                     conts.append(tokens[j:min(j + k, L)])
-        pool, child = Pool(), {}  # child: (parent, token) -> pool index
-        for cont in conts:
-            p = -1
-            for t in cont:
-                c = child.get((p, t))
-                if c is None:
-                    if len(pool.token) == n_nodes:
-                        break
-                    c = child[(p, t)] = len(pool.token)  # scored by insertion: select keeps them all
-                    pool.add(p, t, -float(c), 1 if p < 0 else pool.depth[p] + 1)
-                p = c
-        return select(pool, n_nodes)
+        chains = [(torch.arange(-1, len(c) - 1), torch.tensor(c, dtype=torch.long)) for c in conts]
+        return union(chains, n_nodes)  # shared prefixes once, in insertion order, up to n_nodes
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         """Up to k tokens that followed the longest earlier match of the suffix of `tokens`."""
@@ -137,9 +127,14 @@ class NgramProposer(ProposerBase):
         """Each row's trie of earlier continuations (NgramIndex.tree); rows the tree verifier does
         not serve draft a chain as `propose` does."""
         grown = [b for b, k in enumerate(ks) if k and tree_ok(reqs[b].params)]
-        tries = []
-        for b in grown:
-            idx = self.index[reqs[b].id]
-            idx.extend(reqs[b].tokens)
-            tries.append(idx.tree(reqs[b].tokens, ks[b], n_nodes))
+        tries = self.grow_dynamic([reqs[b] for b in grown], [ks[b] for b in grown], n_nodes)
         return self.dynamic_round(reqs, ks, grown, tries, 0)
+
+    def grow_dynamic(self, reqs, ks: list[int], n_nodes: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each row's trie [(parents, tokens)] (every row drafts: k > 0, tree verifier rows)."""
+        tries = []
+        for r, k in zip(reqs, ks):
+            idx = self.index[r.id]
+            idx.extend(r.tokens)
+            tries.append(idx.tree(r.tokens, k, n_nodes))
+        return tries
