@@ -6,6 +6,7 @@ greedy speculative output must equal plain token for token (`greedy_mismatches`)
     .venv/bin/python benchmarks/tree.py --temperature 0                       # Qwen pair, HumanEval
     .venv/bin/python benchmarks/tree.py --temperature 0.8 --trees 2,2,1,1 3,2,1
     .venv/bin/python benchmarks/tree.py --proposer ngram --chains 4,8 --trees dynamic:8 dynamic:16 --dynamic-k 8
+    .venv/bin/python benchmarks/tree.py --proposer draft,composite --chains 4 --trees dynamic:8
 
 The issue's goals: tree >= 1.15x the best chain at T = 0.8 and >= 1.05x at T = 0.
 """
@@ -30,8 +31,10 @@ def main() -> None:
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
     ap.add_argument("--draft-dtype", default="q4_0")
-    ap.add_argument("--proposer", default="draft", choices=["draft", "ngram"],
-                    help="ngram: chains and tries (dynamic trees only) from n-gram matches, no draft model")
+    ap.add_argument("--proposer", default="draft",
+                    help="draft, ngram (chains and tries, dynamic trees only; no draft model) or composite "
+                         "(n-gram first, then the draft model; its trees are the union of both), or several, "
+                         "comma-separated: each drafts every chain and tree")
     ap.add_argument("--prompts", default="humaneval")
     ap.add_argument("--num-prompts", type=int, default=6)
     ap.add_argument("--chains", default="3,4,5", help="chain k values")
@@ -44,7 +47,11 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     t0 = time.perf_counter()
-    ngram = a.proposer == "ngram"
+    proposers = a.proposer.split(",")
+    for p in proposers:
+        if p not in ("draft", "ngram", "composite"):
+            ap.error(f"--proposer {p!r}: allowed: draft, ngram, composite")
+    ngram = proposers == ["ngram"]
     draft = None if ngram else a.draft
     models = load_models(a.model, draft, "native", a.draft_dtype)
     load_s = time.perf_counter() - t0
@@ -53,20 +60,22 @@ def main() -> None:
     params = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, seed=0 if a.temperature else None,
                             seed_stable=False)
     settings = bench.BenchSettings(prompts=prompts, params=params, ks=[], proposer=a.proposer, max_seq_len=4096)
-    kw = dict(proposer="ngram") if ngram else dict(draft=a.draft, draft_dtype=a.draft_dtype)
     configs = [bench.Ours(bench.PLAIN, build_engine(models, None, 4096), 0)]
-    for k in (int(x) if x != "auto" else x for x in a.chains.split(",")):
-        spec = SpeculativeConfig(num_draft_tokens=k, **kw)
-        configs.append(bench.Ours(f"chain k={k}", build_engine(models, spec, 4096), k, a.proposer))
-    for widths in (parse_draft_tree(t) for t in a.trees):
-        k = (a.dynamic_k if a.dynamic_k == "auto" else int(a.dynamic_k)) if isinstance(widths, str) else len(widths)
-        spec = SpeculativeConfig(num_draft_tokens=k, draft_tree=widths, **kw)
-        name = f"tree {tree_text(widths)}" + (f" k={k}" if isinstance(widths, str) else "")
-        configs.append(bench.Ours(name, build_engine(models, spec, 4096), k, a.proposer))
+    for p in proposers:
+        kw = dict(proposer=p) if p == "ngram" else dict(proposer=p, draft=a.draft, draft_dtype=a.draft_dtype)
+        tag = f"{p} " if len(proposers) > 1 else ""
+        for k in (int(x) if x != "auto" else x for x in a.chains.split(",")):
+            spec = SpeculativeConfig(num_draft_tokens=k, **kw)
+            configs.append(bench.Ours(f"{tag}chain k={k}", build_engine(models, spec, 4096), k, p))
+        for widths in (parse_draft_tree(t) for t in a.trees):
+            k = (a.dynamic_k if a.dynamic_k == "auto" else int(a.dynamic_k)) if isinstance(widths, str) else len(widths)
+            spec = SpeculativeConfig(num_draft_tokens=k, draft_tree=widths, **kw)
+            name = f"{tag}tree {tree_text(widths)}" + (f" k={k}" if isinstance(widths, str) else "")
+            configs.append(bench.Ours(name, build_engine(models, spec, 4096), k, p))
     runs = bench.run_bench(models, settings, configs,
                            progress=lambda what: print(what, flush=True) if "prompt" in what else None)
     summary = bench.summarise(runs, configs, settings.params)
-    title = (f"{a.model} + {'n-gram' if ngram else f'{a.draft} ({a.draft_dtype})'}, {len(prompts)} {a.prompts} prompts x {a.max_tokens} "
+    title = (f"{a.model} + {a.proposer} ({'no draft model' if ngram else f'{a.draft} {a.draft_dtype}'}), {len(prompts)} {a.prompts} prompts x {a.max_tokens} "
              f"tokens, T={a.temperature}, {a.threads} threads, {cpu_name()}")
     bench.print_table(summary, title)
     print(json.dumps({"benchmark": "tree", "model": a.model, "draft": draft, "proposer": a.proposer, "cpu": cpu_name(),
