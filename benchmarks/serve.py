@@ -172,7 +172,7 @@ def our_server(name, a, port, speculative: bool) -> Server:
            "--threads", str(a.threads), "--max-batch", str(max(a.levels)), "--max-model-len", str(a.max_model_len)]
     if speculative:
         if a.draft:
-            cmd += ["--draft", a.draft, "--draft-dtype", a.draft_dtype]
+            cmd += ["--draft", a.draft, "--draft-dtype", a.draft_dtype, "--proposer", a.proposer]
         else:
             cmd += ["--proposer", "ngram"]
         cmd += ["--num-draft-tokens", a.k]
@@ -205,6 +205,8 @@ def main():
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b", help="draft model ('' for the n-gram proposer)")
     ap.add_argument("--draft-dtype", default="q4_0")
+    ap.add_argument("--proposer", default="draft", choices=("draft", "composite"),
+                    help="our speculative server's proposer with --draft (composite: n-gram first, then the draft)")
     ap.add_argument("--k", default="auto", help="--num-draft-tokens of our speculative server")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--levels", default="1,2,4,8,16")
@@ -235,6 +237,7 @@ def main():
         if n.startswith("vllm") and not a.vllm_python:
             sys.exit(f"--servers {n} needs --vllm-python PATH")
     print(f"# CPU: {cpu_name()}, {os.cpu_count()} cores; model {a.model}, draft {a.draft} ({a.draft_dtype}), "
+          f"proposer {a.proposer if a.draft else 'ngram'}, "
           f"k={a.k}, threads {a.threads}, {a.max_tokens} tokens/request, prompts: HumanEval x{len(prompts)}")
     results, prefix = {}, {}
 
@@ -310,7 +313,7 @@ def main():
         Path(a.plot).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(a.plot, dpi=110)
         print(f"plot: {a.plot}")
-    print(json.dumps({"bench": "serve", "cpu": cpu_name(), "model": a.model, "draft": a.draft, "k": a.k,
+    print(json.dumps({"bench": "serve", "cpu": cpu_name(), "model": a.model, "draft": a.draft, "proposer": a.proposer if a.draft else "ngram", "k": a.k,
                       "threads": a.threads, "max_tokens": a.max_tokens, "results": results,
                       "spec_over_plain": ratios, "prefix_reuse": prefix, "failed": failed}))
 
