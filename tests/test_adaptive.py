@@ -475,6 +475,31 @@ def test_exploration_under_load_is_proportionally_rarer():
     assert explored == [EXPLORE_EVERY * 8 - 1], explored
 
 
+def test_a_row_a_whole_prompt_behind_is_explored_after_enough_quiet_rounds():
+    """A request admitted where speculation had settled off is not draft-prefilled, so its draft
+    model is its whole prompt behind. Exploring it feeds that prompt: it waits for
+    ceil(lag / EXPLORE_CATCH_UP) periods of EXPLORE_EVERY quiet rounds (the catch-up paid per
+    quiet round stays EXPLORE_CATCH_UP / EXPLORE_EVERY), but it is explored; a row a few tokens
+    behind still explores after one period. (Alone only: under load the budget stays fixed.)"""
+    from specdec.engine.adaptive import EXPLORE_CATCH_UP, EXPLORE_EVERY
+
+    for lag, periods in ((5, 1), (150, 3), (EXPLORE_CATCH_UP * 2, 2)):
+        pol = AdaptiveK(8)
+        r = _Req(0)
+        pol.begin(r)
+        pol.observe_round(r, 1, 0, "draft")  # its first draft was rejected: priced out
+        pol.observe_target(1, 1, 1.0)
+        pol.observe_target(1, 2, 1.4)
+        pol.observe_draft_cost(1, 0.4, "draft")
+        explored = []
+        for i in range(EXPLORE_EVERY * 4):
+            c = pol.settle([r], [pol.choose_among(r, 1, 8, [Candidate("draft", 8, "draft", lag)])], 1)[0]
+            if c.k:
+                explored.append(i)
+                break
+        assert explored == [EXPLORE_EVERY * periods - 1], (lag, explored)
+
+
 def test_a_draft_tree_is_priced_at_its_verify_width():
     """A dynamic tree of depth k verifies 2k + 1 tokens per row, not k + 1: on a steep verify
     curve (1 + 0.15 per extra token, measured to 17 tokens) at the same per-depth acceptance (~0.7)

@@ -326,9 +326,10 @@ class AdaptiveK:
     def _explore(self, reqs: list, choices: list[Choice]) -> list[Choice]:
         """Every (EXPLORE_EVERY x batch size)-th round in a row that drafted nothing while some
         row could have, those rows draft one token, fewest catch-up tokens first, as long as their
-        catch-ups add up to at most EXPLORE_CATCH_UP tokens (a draft model that must first feed
-        a prompt, or a batch of rows each behind by a few dozen plain rounds, is not explored:
-        under load that catch-up cost more than exploring could win). A cost is measured only at widths that are chosen,
+        catch-ups add up to at most EXPLORE_CATCH_UP tokens (a batch of rows each behind by a
+        few dozen plain rounds, or a draft model that must first feed a prompt, is not explored
+        under load: there that catch-up costs more than exploring could win; a single row
+        gets EXPLORE_CATCH_UP per period of quiet rounds, so it is explored in the end). A cost is measured only at widths that are chosen,
         so one slow measurement (a cold first round, another process on the core) would
         otherwise price a width out for good; a k = 1 round costs little and measures the
         narrowest drafting width again, from which the choice climbs if it pays. It costs
@@ -343,15 +344,25 @@ class AdaptiveK:
         if not declined:
             return choices
         self._quiet += 1
-        if self._quiet < EXPLORE_EVERY * len(reqs):
+        periods = self._quiet // (EXPLORE_EVERY * len(reqs))
+        if not periods:
             return choices
-        self._quiet = 0
-        out, budget = list(choices), EXPLORE_CATCH_UP
+        # Alone (one row), the catch-up budget grows with the quiet rounds (EXPLORE_CATCH_UP per
+        # period), so the rate of catch-up paid for exploring stays what it was, and a request
+        # whose draft model is a whole prompt behind (not prefilled: speculation had settled off
+        # at this load, e.g. after a first draft was rejected) is still explored once enough
+        # quiet rounds have passed; with a fixed budget it never was, and a server's speculation
+        # at concurrency 1 stayed off for its lifetime. Under load the budget stays fixed: there
+        # an exploring row widens every row's verify, and letting larger catch-ups through cost
+        # throughput at 8 rows in the one run that tried it (docs/bench/README.md, Zen 4).
+        out, budget = list(choices), EXPLORE_CATCH_UP * (periods if len(reqs) == 1 else 1)
         for lag, b in sorted(declined):
             if lag > budget:
                 break
             budget -= lag
             out[b] = self._declined[reqs[b].id][0]
+        if out != choices or len(reqs) > 1:  # (alone, nothing fitted: the quiet rounds add up)
+            self._quiet = 0
         return out
 
     def _settle(self, reqs: list, choices: list[Choice], batch_size: int, kmax: int) -> list[Choice]:
