@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+from conftest import tiny_model
 from specdec import tree as tree_mod
-from specdec.config import SpeculativeConfig
+from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.engine import trees
 from specdec.loader import Models, build_engine
 
@@ -45,3 +46,32 @@ def later_siblings():
         yield later
     finally:
         trees.verify_rows = real
+
+
+def tiny_pair():
+    """A tiny target and draft (V = 4) for exact enumeration."""
+    kw = dict(vocab=4, dim=16, layers=1, heads=2, kv_heads=1, inter=16, max_seq_len=64)
+    return tiny_model(seed=11, scale=0.5, **kw), tiny_model(seed=12, scale=0.5, **kw)
+
+
+def repeating_batch(max_tokens: int = 48):
+    """(prompts, params) of four greedy rows over V = 8 whose suffixes recur (n-gram matches with
+    several continuations), the third with a repetition penalty (the chain path)."""
+    prompts = [[1, 2, 3, 1, 2, 4, 1, 2, 5, 1, 2] * 3, [0, 3, 3, 1, 2, 0, 3, 3, 1, 0, 3, 3], [5, 6, 5, 7, 5],
+               [7, 1, 0, 0, 2, 7, 1, 0, 2, 7, 1]]
+    params = [SamplingParams(temperature=0, max_tokens=max_tokens) for _ in prompts]
+    params[2] = SamplingParams(temperature=0, max_tokens=max_tokens, repetition_penalty=1.3)
+    return prompts, params
+
+
+def tree_paths(parents, toks) -> list[list[int]]:
+    """Every root-to-node token path of a tree (parents -1 at the root)."""
+    out = []
+    for j in range(len(toks)):
+        path, i = [], j
+        while i >= 0:
+            path.append(int(toks[i]))
+            i = int(parents[i])
+        out.append(path[::-1])
+    return out
+

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from engines import TREE_SETTINGS as SETTINGS, later_siblings, make_engine
+from engines import TREE_SETTINGS as SETTINGS, later_siblings, make_engine, repeating_batch, tiny_pair, tree_paths
 from specdec import tree as tree_mod
 from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.loader import Models, build_engine, load_models
@@ -39,15 +39,8 @@ def t(*xs):
 
 
 def paths(parents, toks):
-    """Every root-to-node token path of a tree."""
-    out = []
-    for j in range(len(toks)):
-        path, i = [], j
-        while i >= 0:
-            path.append(int(toks[i]))
-            i = int(parents[i])
-        out.append(tuple(path[::-1]))
-    return out
+    """Every root-to-node token path of a tree, as tuples."""
+    return [tuple(p) for p in tree_paths(parents, toks)]
 
 
 def test_union_cases():
@@ -73,8 +66,7 @@ def test_union_cases():
 @pytest.fixture(scope="module")
 def models():
     torch.set_num_threads(1)
-    kw = dict(vocab=4, dim=16, layers=1, heads=2, kv_heads=1, inter=16, max_seq_len=64)
-    return tiny_model(seed=11, scale=0.5, **kw), tiny_model(seed=12, scale=0.5, **kw)
+    return tiny_pair()
 
 
 def composite_engine(target, draft, tree, k=3, max_batch=1, max_seq_len=64):
@@ -147,10 +139,7 @@ def test_greedy_composite_tree_equals_plain_batched_and_alone():
     went through later siblings, and rounds held nodes of both parts."""
     kw = dict(vocab=8, dim=32, layers=2, heads=4, kv_heads=2, inter=48, max_seq_len=160)
     target, draft = tiny_model(seed=21, scale=0.6, **kw), tiny_model(seed=22, scale=0.6, **kw)
-    prompts = [[1, 2, 3, 1, 2, 4, 1, 2, 5, 1, 2] * 3, [0, 3, 3, 1, 2, 0, 3, 3, 1, 0, 3, 3], [5, 6, 5, 7, 5],
-               [7, 1, 0, 0, 2, 7, 1, 0, 2, 7, 1]]
-    params = [SamplingParams(temperature=0, max_tokens=48) for _ in prompts]
-    params[2] = SamplingParams(temperature=0, max_tokens=48, repetition_penalty=1.3)
+    prompts, params = repeating_batch()
     want = [r.output for r in make_engine(target, None, 0, max_batch=4, max_seq_len=160).generate(prompts, params)]
     with later_siblings() as later:
         for tree, k in (("dynamic", 3), ("dynamic:12", 5), ("dynamic:6", "auto")):

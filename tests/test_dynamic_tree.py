@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from engines import TREE_SETTINGS as SETTINGS, later_siblings, make_engine
+from engines import TREE_SETTINGS as SETTINGS, later_siblings, make_engine, tiny_pair
 from specdec import tree as tree_mod
 from specdec.config import SamplingParams, SpeculativeConfig, dynamic_nodes
 from specdec.errors import SpecdecError
@@ -31,8 +31,7 @@ PROMPT = [1, 2, 3]
 @pytest.fixture(scope="module")
 def models():
     torch.set_num_threads(1)
-    kw = dict(vocab=4, dim=16, layers=1, heads=2, kv_heads=1, inter=16, max_seq_len=64)
-    return tiny_model(seed=11, scale=0.5, **kw), tiny_model(seed=12, scale=0.5, **kw)
+    return tiny_pair()
 
 
 def dynamic_engine(target, draft, tree, k=3, max_batch=1, max_seq_len=64):

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from engines import TREE_SETTINGS as SETTINGS, later_siblings, make_engine
+from engines import TREE_SETTINGS as SETTINGS, later_siblings, make_engine, repeating_batch
+from engines import tree_paths as paths
 from specdec import tree as tree_mod
 from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.loader import Models, build_engine, load_models
@@ -38,18 +39,6 @@ def trie(tokens, k, n_nodes, n_min=1, n_max=4):
     idx.extend(tokens)
     parents, toks = idx.tree(tokens, k, n_nodes)
     return parents.tolist(), toks.tolist()
-
-
-def paths(parents, toks):
-    """Every root-to-node token path of a tree."""
-    out = []
-    for j in range(len(toks)):
-        path, i = [], j
-        while i >= 0:
-            path.append(toks[i])
-            i = parents[i]
-        out.append(path[::-1])
-    return out
 
 
 def test_trie_cases():
@@ -137,10 +126,7 @@ def test_greedy_ngram_trie_equals_plain_batched():
     row (chain path) rides in the same batch; accepted paths went through later siblings."""
     target = tiny_model(seed=21, scale=0.6, vocab=8, dim=32, layers=2, heads=4, kv_heads=2, inter=48,
                         max_seq_len=160)
-    prompts = [[1, 2, 3, 1, 2, 4, 1, 2, 5, 1, 2] * 3, [0, 3, 3, 1, 2, 0, 3, 3, 1, 0, 3, 3], [5, 6, 5, 7, 5],
-               [7, 1, 0, 0, 2, 7, 1, 0, 2, 7, 1]]
-    params = [SamplingParams(temperature=0, max_tokens=48) for _ in prompts]
-    params[2] = SamplingParams(temperature=0, max_tokens=48, repetition_penalty=1.3)
+    prompts, params = repeating_batch()
     want = [r.output for r in make_engine(target, None, 0, max_batch=4, max_seq_len=160).generate(prompts, params)]
     with later_siblings() as later:
         for tree, k in (("dynamic", 3), ("dynamic:12", 5), ("dynamic:6", "auto")):
