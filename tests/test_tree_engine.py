@@ -175,7 +175,8 @@ def test_greedy_tree_equals_plain_on_smollm2():
     assert [r.output for r in batched] == want and [r.output for r in alone] == want
     assert sum(r.stats.accepted_tokens for r in batched) > 0
     assert sum(r.stats.draft_tokens - r.stats.accepted_tokens for r in batched) > 0  # some rejected
-    spec = SpeculativeConfig(draft="smollm2-135m", draft_dtype="q4_0", num_draft_tokens=4, draft_tree="dynamic:8")
+    spec = SpeculativeConfig(draft="smollm2-135m", proposer="draft", draft_dtype="q4_0", num_draft_tokens=4,
+                             draft_tree="dynamic:8")
     dynamic = build_engine(models, spec, 512, max_batch=3).generate(prompts, params)
     assert [r.output for r in dynamic] == want and sum(r.stats.accepted_tokens for r in dynamic) > 0
 
