@@ -51,7 +51,44 @@ class TorchRng:
         return torch.rand(probs.shape, generator=self.gen, device=probs.device, dtype=torch.float64) < probs
 
     def categorical(self, probs: torch.Tensor) -> torch.Tensor:
-        return torch.multinomial(probs.float(), 1, generator=self.gen).squeeze(-1)
+        u = torch.rand(probs.shape[0], generator=self.gen, device=probs.device, dtype=torch.float64)
+        return inverse_cdf(probs, u)
+
+
+CDF_BLOCK = 256
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The inverse-CDF sample [N] of each row of probs [N, V] (non-negative, positive total, not
+    necessarily normalised) at u [N] (float64 in [0, 1)): the first token whose cumulative mass
+    exceeds u x the row's total. Two levels, so that float64 sums run over 256-token blocks only:
+    the block from the blocks' cumulative masses, then the token inside it. A zero-probability
+    token is never returned, whatever the rounding. It equals `inverse_cdf_reference` (one float64
+    cumsum over V) except where the two summation orders round a boundary differently (a ~1e-16
+    event per draw), and costs ~0.15 ms for V = 151,936, where torch.multinomial took ~3 ms."""
+    N, V = probs.shape
+    x = probs.float()
+    if V % CDF_BLOCK:
+        x = torch.nn.functional.pad(x, (0, CDF_BLOCK - V % CDF_BLOCK))
+    xb = x.view(N, -1, CDF_BLOCK)  # [N, nb, B]
+    mass = xb.sum(-1, dtype=torch.float64)  # [N, nb]
+    cum = mass.cumsum(-1)
+    target = (u.double() * cum[:, -1]).unsqueeze(1)  # [N, 1]
+    j = torch.searchsorted(cum, target, right=True)  # cum[j - 1] <= target < cum[j]
+    last_block = (mass.shape[1] - 1) - (mass > 0).flip(-1).int().argmax(-1, keepdim=True)
+    j = torch.minimum(j, last_block)  # (target rounded up to the total: the last block with mass)
+    before = torch.where(j > 0, cum.gather(1, (j - 1).clamp(min=0)), torch.zeros_like(target))
+    block = xb[torch.arange(N, device=x.device), j[:, 0]]  # [N, B]
+    i = torch.searchsorted(block.double().cumsum(-1), target - before, right=True)
+    last = (CDF_BLOCK - 1) - (block > 0).flip(-1).int().argmax(-1, keepdim=True)
+    return (j * CDF_BLOCK + torch.minimum(i, last)).squeeze(1)
+
+
+def inverse_cdf_reference(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """`inverse_cdf` in one float64 cumulative sum over the whole row (slow for large V)."""
+    cdf = probs.double().cumsum(-1)
+    target = (u.double() * cdf[:, -1]).unsqueeze(1)
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=probs.shape[-1] - 1)
 
 
 MASK64 = (1 << 64) - 1

@@ -48,18 +48,46 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [N, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        sorted_probs = sorted_logits.softmax(-1)
-        mass_before = sorted_probs.cumsum(-1) - sorted_probs  # mass of strictly better tokens
-        remove_sorted = mass_before >= params.top_p  # keep the smallest prefix reaching top_p
-        remove_sorted[..., 0] = False
-        remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
-        logits = logits.masked_fill(remove, float("-inf"))
+        logits = logits.masked_fill(~top_p_keep(logits, params.top_p), float("-inf"))
     if params.min_p > 0.0:
         probs = logits.softmax(-1)
         threshold = params.min_p * probs.amax(-1, keepdim=True)
         logits = logits.masked_fill(probs < threshold, float("-inf"))
     return logits
+
+
+TOP_P_CANDIDATES = 256
+
+
+def top_p_keep(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """[N, V] bool: the tokens top-p keeps from logits [N, V]: token i is kept iff the probability
+    mass of the tokens with strictly higher logits is below top_p (the smallest set of best tokens
+    reaching top_p; tied tokens are kept or removed together, so the set never depends on an
+    order among equals). Found among the 256 best tokens (torch.topk, ~0.5 ms for V = 151,936
+    where a full sort took ~14 ms), then 4,096, then all while a row's candidates stay below top_p; the
+    threshold is the lowest kept logit. `top_p_keep_reference` is the per-token definition."""
+    N, V = logits.shape
+    probs = logits.softmax(-1)
+    for K in (min(TOP_P_CANDIDATES, V), min(16 * TOP_P_CANDIDATES, V), V):
+        vals, idx = logits.topk(K, dim=-1)  # [N, K], descending
+        pk = probs.gather(-1, idx).double()
+        before = pk.cumsum(-1) - pk  # mass ahead of each candidate in topk's order
+        first = torch.searchsorted(-vals, -vals)  # the first candidate of each one's value
+        kept = before.gather(-1, first) < top_p  # mass strictly above the value < top_p
+        if K == V or not kept[:, -1].any():
+            break
+    lowest = vals.gather(-1, kept.sum(-1, keepdim=True) - 1)  # (the best token is always kept)
+    return logits >= lowest
+
+
+def top_p_keep_reference(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`top_p_keep` token by token, from its definition (a loop: for tests)."""
+    probs = logits.softmax(-1).double()
+    keep = torch.zeros(logits.shape, dtype=torch.bool)
+    for n in range(logits.shape[0]):
+        for i in range(logits.shape[1]):
+            keep[n, i] = float(probs[n][logits[n] > logits[n, i]].sum()) < top_p
+    return keep
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams, counts=None, seen=None,

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.rejection import PLACEHOLDER, acceptance_probs, residual_distribution
+from specdec.rejection import PLACEHOLDER, acceptance_probs, inverse_cdf, residual_distribution
 
 
 def tree_ok(params) -> bool:
@@ -411,9 +411,7 @@ class UniformDice:
         return self.coin_u < probs
 
     def categorical(self, probs: torch.Tensor) -> torch.Tensor:
-        cdf = probs.double().cumsum(-1)  # [B, V]
-        x = (self.sample_u * cdf[:, -1]).unsqueeze(1)
-        return torch.searchsorted(cdf, x, right=True).squeeze(1).clamp(max=probs.shape[-1] - 1)
+        return inverse_cdf(probs, self.sample_u)
 
     def row(self, b: int) -> _RowDice:
         return _RowDice(self, b)

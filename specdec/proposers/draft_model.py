@@ -302,7 +302,7 @@ def draw(logits: torch.Tensor, reqs, drafted: torch.Tensor, live: set[int], draf
             d[ix] = sampling.stable_tokens(lg, params, noise, inp.counts, inp.seen, inp.mask)
         else:
             probs = sampling.probabilities(lg, params, inp.counts, inp.seen, inp.mask)
-            bad = ~torch.isfinite(probs).all(-1)  # every token masked (a reduced draft vocabulary)
+            bad = probs[:, 0].isnan()  # every token masked (a reduced draft vocabulary): a NaN softmax row
             if bad.any():
                 dead[ix[bad]] = True
                 probs[bad] = 0.0
