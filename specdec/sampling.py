@@ -76,7 +76,8 @@ def top_p_keep(logits: torch.Tensor, top_p: float) -> torch.Tensor:
         kept = before.gather(-1, first) < top_p  # mass strictly above the value < top_p
         if K == V or not kept[:, -1].any():
             break
-    lowest = vals.gather(-1, kept.sum(-1, keepdim=True) - 1)  # (the best token is always kept)
+    # (the best token is always kept; a row of -inf logits, all masked, keeps them all as it was)
+    lowest = vals.gather(-1, kept.sum(-1, keepdim=True).clamp(min=1) - 1)
     return logits >= lowest
 
 

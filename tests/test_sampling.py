@@ -57,3 +57,12 @@ def test_top_p_keeps_tied_tokens_together():
     assert sampling.top_p_keep(lg, p0 * 1.01).tolist() == [[True, True, True, True, False]]  # not one of the 1s
     probs = sampling.probabilities(lg, SamplingParams(temperature=1.0, top_p=p0 * 1.01))
     assert probs[0, 1] == probs[0, 2] == probs[0, 3] > 0 and probs[0, 4] == 0
+
+
+def test_top_p_on_a_row_with_every_token_masked_leaves_it_as_it_was():
+    """A reduced draft vocabulary or a grammar can mask every token of a row: top-p must not fail
+    there (the caller sees a NaN softmax and drafts nothing)."""
+    lg = torch.full((2, 300), float("-inf"))
+    lg[1, 7] = 1.0
+    keep = sampling.top_p_keep(lg, 0.9)
+    assert keep[0].all() and keep[1].tolist() == [i == 7 for i in range(300)]
