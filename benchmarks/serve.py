@@ -93,12 +93,13 @@ class Server:
         return f"http://127.0.0.1:{self.port}/v1"
 
 
-async def one(client, model, prompt, max_tokens, ignore_eos):
+async def one(client, model, prompt, max_tokens, ignore_eos, sampling=None):
+    """sampling: temperature and top_p (default: greedy)."""
     t0 = time.perf_counter()
     times, usage, n_chunks = [], None, 0
     extra = {"ignore_eos": True} if ignore_eos else {}
-    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                             stream=True, stream_options={"include_usage": True},
+    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
+                                             **(sampling or {"temperature": 0}), stream=True, stream_options={"include_usage": True},
                                              extra_body=extra)
     async for ch in stream:
         if ch.usage is not None:
@@ -112,7 +113,7 @@ async def one(client, model, prompt, max_tokens, ignore_eos):
     return n, ttft, itl
 
 
-async def level(url, model, prompts, concurrency, n_requests, max_tokens, ignore_eos, tag=None):
+async def level(url, model, prompts, concurrency, n_requests, max_tokens, ignore_eos, tag=None, sampling=None):
     """tag: each request's prompt starts with a comment line naming (tag, its index), so that no
     request shares a prefix with one sent before (a prompt held in a server's free rows would
     skip its prefill, and which ones are held depends on each server's history: TTFT would
@@ -125,7 +126,7 @@ async def level(url, model, prompts, concurrency, n_requests, max_tokens, ignore
         if tag is not None:
             prompt = f"# request {tag}-{i}\n{prompt}"
         async with sem:
-            return await one(client, model, prompt, max_tokens, ignore_eos)
+            return await one(client, model, prompt, max_tokens, ignore_eos, sampling)
 
     t0 = time.perf_counter()
     res = await asyncio.gather(*(run(i) for i in range(n_requests)))
@@ -221,6 +222,8 @@ def main():
     ap.add_argument("--requests-per-level", type=int, default=2, help="requests = this x concurrency (min 4)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--ignore-eos", action="store_true", help="every request decodes --max-tokens")
+    ap.add_argument("--temperature", type=float, default=0.0, help="of every request (0: greedy)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="of every request")
     ap.add_argument("--prompts", type=int, default=16, help="HumanEval prompts used (cycled)")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--servers", default="spec,plain",
@@ -254,14 +257,16 @@ def main():
             sys.exit(f"--servers {n} needs --vllm-python PATH")
     print(f"# CPU: {cpu_name()}, {os.cpu_count()} cores; model {a.model}, draft {a.draft} ({a.draft_dtype}), "
           f"proposer {a.proposer if a.draft else 'ngram'}, "
-          f"k={a.k}, threads {a.threads}, {a.max_tokens} tokens/request, prompts: HumanEval x{len(prompts)}"
+          f"k={a.k}, threads {a.threads}, {a.max_tokens} tokens/request, temperature {a.temperature}, top_p {a.top_p}, "
+          f"prompts: HumanEval x{len(prompts)}"
           f"{', as they are (prefix reuse across levels)' if a.reuse_prompts else ', each made unique by a first comment line'}")
     results, prefix = {}, {}
+    sampling = {"temperature": a.temperature, **({"top_p": a.top_p} if a.top_p < 1 else {})}
 
     def sweep_level(srv, name, c, rep=0):
         tag = None if a.reuse_prompts else f"c{c}r{rep}"
         r = asyncio.run(level(srv.url, srv.model_id, prompts, c, max(4, a.requests_per_level * c),
-                              a.max_tokens, a.ignore_eos, tag))
+                              a.max_tokens, a.ignore_eos, tag, sampling))
         print(f"{name:12s} c={c:3d}  {r['tok_s']:7.1f} tok/s  TTFT p50 {r['ttft_p50']:6.2f}s "
               f"p99 {r['ttft_p99']:6.2f}s  ITL p50 {r['itl_p50'] * 1e3:6.1f}ms p99 {r['itl_p99'] * 1e3:6.1f}ms",
               flush=True)
@@ -333,7 +338,7 @@ def main():
         Path(a.plot).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(a.plot, dpi=110)
         print(f"plot: {a.plot}")
-    print(json.dumps({"bench": "serve", "cpu": cpu_name(), "model": a.model, "draft": a.draft, "proposer": a.proposer if a.draft else "ngram", "k": a.k,
+    print(json.dumps({"bench": "serve", "cpu": cpu_name(), "model": a.model, "draft": a.draft, "proposer": a.proposer if a.draft else "ngram", "k": a.k, "temperature": a.temperature, "top_p": a.top_p,
                       "threads": a.threads, "max_tokens": a.max_tokens, "results": results,
                       "spec_over_plain": ratios, "composite_over_plain": ratios_composite, "prefix_reuse": prefix, "failed": failed}))
 
