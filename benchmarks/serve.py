@@ -331,9 +331,11 @@ def main():
         ax2.set(xscale="log", xlabel="concurrent requests", ylabel="ITL p50 (ms)", title="inter-token latency")
         for ax in (ax1, ax2):
             ax.set_xticks(a.levels, [str(c) for c in a.levels])
+            ax.set_xticks([], minor=True)  # (no "3 x 10^0" between the levels)
             ax.legend()
             ax.grid(alpha=0.3)
-        fig.suptitle(f"{a.model} (draft {a.draft}), {cpu_name()}, {a.threads} threads")
+        fig.suptitle(f"{a.model} (draft {a.draft}), {cpu_name()}, {a.threads} threads"
+                     + (f", T = {a.temperature}, top_p = {a.top_p}" if a.temperature else ", greedy"))
         fig.tight_layout()
         Path(a.plot).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(a.plot, dpi=110)
