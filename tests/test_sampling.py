@@ -66,3 +66,18 @@ def test_top_p_on_a_row_with_every_token_masked_leaves_it_as_it_was():
     lg[1, 7] = 1.0
     keep = sampling.top_p_keep(lg, 0.9)
     assert keep[0].all() and keep[1].tolist() == [i == 7 for i in range(300)]
+
+
+def test_probabilities_of_stacked_rows_are_each_rows_own_bits(monkeypatch):
+    """Rows sampled in one call (a group's rows, a verify's positions) get the bits a call on
+    their own gives, also where another row of the call sends top-p to its wider candidate
+    stages (a batch-wide decision): a row's p never depends on what it is batched with."""
+    monkeypatch.setattr(sampling, "TOP_P_CANDIDATES", 4)
+    g = torch.Generator().manual_seed(2)
+    lg = torch.randn(6, 3000, generator=g) * torch.tensor([[8.0], [0.3], [3.0], [1.0], [12.0], [0.1]])
+    for params in (SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=1.3, top_k=50, min_p=0.02),
+                   SamplingParams(temperature=0.8, top_p=0.5, min_p=0.1)):
+        stacked = sampling.probabilities(lg, params)
+        for i in range(6):
+            assert torch.equal(stacked[i], sampling.probabilities(lg[i: i + 1], params)[0]), (params, i)
+
