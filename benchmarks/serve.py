@@ -99,8 +99,8 @@ async def one(client, model, prompt, max_tokens, ignore_eos, sampling=None):
     times, usage, n_chunks = [], None, 0
     extra = {"ignore_eos": True} if ignore_eos else {}
     stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
-                                             **(sampling or {"temperature": 0}), stream=True, stream_options={"include_usage": True},
-                                             extra_body=extra)
+                                             **(sampling or {"temperature": 0}), stream=True,
+                                             stream_options={"include_usage": True}, extra_body=extra)
     async for ch in stream:
         if ch.usage is not None:
             usage = ch.usage.completion_tokens
@@ -340,8 +340,9 @@ def main():
         Path(a.plot).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(a.plot, dpi=110)
         print(f"plot: {a.plot}")
-    print(json.dumps({"bench": "serve", "cpu": cpu_name(), "model": a.model, "draft": a.draft, "proposer": a.proposer if a.draft else "ngram", "k": a.k, "temperature": a.temperature, "top_p": a.top_p,
-                      "threads": a.threads, "max_tokens": a.max_tokens, "results": results,
+    print(json.dumps({"bench": "serve", "cpu": cpu_name(), "model": a.model, "draft": a.draft,
+                      "proposer": a.proposer if a.draft else "ngram", "k": a.k, "temperature": a.temperature,
+                      "top_p": a.top_p, "threads": a.threads, "max_tokens": a.max_tokens, "results": results,
                       "spec_over_plain": ratios, "composite_over_plain": ratios_composite, "prefix_reuse": prefix, "failed": failed}))
 
 
