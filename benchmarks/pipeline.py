@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from specdec.config import SamplingParams
-from specdec.distributed import pipeline
+from specdec.distributed import launch
 from specdec.loader import build_engine, load_model, load_models
 
 PROMPTS = ["Write a Python function that checks whether a number is prime.",
@@ -92,7 +92,7 @@ def main():
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     load_before = load_average()
-    pipe, tok = pipeline.launch(a.model, a.stages, threads=a.threads)
+    pipe, tok = launch.launch(a.model, a.stages, threads=a.threads)
     single, _ = load_model(a.model)
     prompts = [tok.encode_prompt(p) for p in PROMPTS]
     engines = {name: build_engine(load_models((m, tok)), None, max_model_len=1024, max_batch=max(a.batch))

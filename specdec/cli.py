@@ -204,14 +204,14 @@ def cmd_generate(a) -> int:
     progress = (lambda s: print(s, file=sys.stderr, flush=True))
     model = a.model
     if a.pipeline_parallel != 1 or a.pipeline_layers is not None:
-        from specdec.distributed import pipeline
+        from specdec.distributed import launch
         from specdec.errors import check_int
 
         check_int("pipeline_parallel", a.pipeline_parallel, 1, 64)
         if a.pipeline_parallel == 1:
             raise SpecdecError("pipeline_layers needs --pipeline-parallel N with N >= 2", "pipeline_layers")
-        model = pipeline.launch(a.model, a.pipeline_parallel, a.dtype, a.device,
-                                pipeline.parse_layers(a.pipeline_layers), a.threads, progress)
+        model = launch.launch(a.model, a.pipeline_parallel, a.dtype, a.device,
+                              launch.parse_layers(a.pipeline_layers), a.threads, progress)
     llm = LLM(model, speculative_config=spec, dtype=a.dtype, device=a.device,
               max_model_len=a.max_model_len, max_batch=1, progress=progress)
     first: list[float] = []  # when the first text arrived (time to first token)

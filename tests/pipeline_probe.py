@@ -4,7 +4,7 @@
 
 single: one process, the model as `specdec generate` loads it; rows: one process with the
 embedding kept as stored (Part.embed_rows, the default for a block-quantised one); pipeline: STAGES
-processes (rank 0 here, the rest started by specdec.distributed.pipeline.launch). Prints one JSON
+processes (rank 0 here, the rest started by specdec.distributed.launch.launch). Prints one JSON
 line: {"base_mb": peak RSS after the imports and the kernel builds, "peak_mb": [peak RSS per
 process, rank 0 first], "weights_mb": [weights each holds]}. Run by tests/test_pipeline.py and
 benchmarks/pipeline.py: a fresh process per measurement, since a peak never goes down.
@@ -17,8 +17,8 @@ import sys
 
 import torch
 
-from specdec.distributed import pipeline
-from specdec.loader import load_model
+from specdec.distributed import launch, pipeline
+from specdec.loader import load_model, model_args
 from specdec.runtime import kernels
 from specdec.runtime.kernels import fused
 from specdec.runtime.model import Part
@@ -37,13 +37,13 @@ def main(mode: str, name: str, stages: int = 2) -> None:
     fused.build()
     base = pipeline.max_rss_mb()
     if mode == "pipeline":
-        model, _ = pipeline.launch(name, stages, threads=1)
+        model, _ = launch.launch(name, stages, threads=1)
         decode(model)
         stats = model.stats()
         model.close()
         peaks, weights = [s.max_rss_mb for s in stats], [s.weights_mb for s in stats]
     else:
-        part = Part(0, pipeline.model_args(name).n_layers, embed_rows=True) if mode == "rows" else None
+        part = Part(0, model_args(name).n_layers, embed_rows=True) if mode == "rows" else None
         model, _ = load_model(name, part=part)
         decode(model)
         peaks, weights = [pipeline.max_rss_mb()], [model.weight_bytes() / 2**20]

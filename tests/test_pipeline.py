@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from specdec.config import SamplingParams, SpeculativeConfig
-from specdec.distributed import pipeline
+from specdec.distributed import launch, pipeline
 from specdec.errors import SpecdecError
-from specdec.loader import build_engine, load_model, load_models
+from specdec.loader import build_engine, load_model, load_models, model_args
 from specdec.runtime.kv_cache import ragged_block
 from specdec.runtime.model import RowEmbedding
 from tiny_hf import write_tiny_hf
@@ -44,7 +44,7 @@ def one_thread():
 def smollm2_pair(one_thread):
     """(pipeline over 2 processes, the same model in this one, tokenizer); the default dtype
     (auto: the GGUF's own blocks), as `specdec generate` loads it."""
-    pipe, tok = pipeline.launch("smollm2-135m", 2, threads=1)
+    pipe, tok = launch.launch("smollm2-135m", 2, threads=1)
     try:
         ref, _ = load_model("smollm2-135m")
         yield pipe, ref, tok
@@ -88,7 +88,7 @@ def _same_forwards(pipe, ref, seqs: list[list[int]], V: int) -> None:
 def test_split_layers_balances_memory_and_checks_a_given_split():
     """Rank 0 also holds the embedding and the head (2 V dim parameters: 16 of SmolLM2's 3.5M-
     parameter layers), so it gets fewer layers; a given split must cover the layers exactly."""
-    args = pipeline.model_args("smollm2-135m")
+    args = model_args("smollm2-135m")
     assert pipeline.split_layers(args, 2) == [(0, 7), (7, 30)]
     assert pipeline.split_layers(args, 1) == [(0, 30)]
     assert pipeline.split_layers(args, 4, [1, 9, 10, 10]) == [(0, 1), (1, 10), (10, 20), (20, 30)]
@@ -96,9 +96,9 @@ def test_split_layers_balances_memory_and_checks_a_given_split():
     for stages, layers in [(2, [15, 14]), (2, [0, 30]), (3, [10, 20]), (31, None), (0, None)]:
         with pytest.raises(SpecdecError, match="pipeline_(layers|parallel)="):
             pipeline.split_layers(args, stages, layers)
-    assert pipeline.parse_layers("7,23") == [7, 23] and pipeline.parse_layers(None) is None
+    assert launch.parse_layers("7,23") == [7, 23] and launch.parse_layers(None) is None
     with pytest.raises(SpecdecError, match="pipeline_layers='7;23'"):
-        pipeline.parse_layers("7;23")
+        launch.parse_layers("7;23")
 
 
 def test_stage_parts_read_only_their_tensors():
@@ -118,7 +118,7 @@ def test_tiny_qwen2_over_three_stages_fp32(tmp_path, one_thread):
     q/k/v biases, an untied head."""
     path = write_tiny_hf(tmp_path / "tiny", vocab=96, arch="qwen2", dim=64, layers=5, heads=4,
                          kv_heads=2, inter=80)
-    pipe, _ = pipeline.launch(path, 3, dtype="fp32", layers=[1, 2, 2], threads=1)
+    pipe, _ = launch.launch(path, 3, dtype="fp32", layers=[1, 2, 2], threads=1)
     try:
         ref, _ = load_model(path, "fp32", "cpu")
         assert pipe.ranges == [(0, 1), (1, 3), (3, 5)]
@@ -201,7 +201,7 @@ def test_smollm2_peak_memory_per_process_about_half():
 @pytest.mark.slow
 def test_qwen_1_5b_logits_greedy_and_memory(one_thread):
     """The same on Qwen2.5-Coder 1.5B (28 layers: 9 on rank 0, 19 on rank 1)."""
-    pipe, tok = pipeline.launch("qwen2.5-coder-1.5b", 2, threads=1)
+    pipe, tok = launch.launch("qwen2.5-coder-1.5b", 2, threads=1)
     try:
         ref, _ = load_model("qwen2.5-coder-1.5b")
         assert pipe.ranges == [(0, 9), (9, 28)]
@@ -228,4 +228,4 @@ def test_a_stage_that_fails_to_load_fails_the_launch(tmp_path, one_thread):
     state["model.layers.1.mlp.up_proj.weight"][0, 0] = float("nan")
     save_file(state, str(path / "model.safetensors"))
     with pytest.raises(SpecdecError, match="a pipeline stage exited with code 2"):
-        pipeline.launch(str(path), 2, dtype="fp32", layers=[1, 1], threads=1)
+        launch.launch(str(path), 2, dtype="fp32", layers=[1, 1], threads=1)

@@ -2,6 +2,6 @@
 
 import sys
 
-from specdec.distributed.pipeline import main
+from specdec.distributed.launch import main
 
 sys.exit(main())
