@@ -44,6 +44,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ngram-min", default="1",
+                    help="shortest n-gram match of the n-gram and composite proposers; several, comma-separated: "
+                         "each its own set of configurations")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     t0 = time.perf_counter()
@@ -61,9 +64,14 @@ def main() -> None:
                             seed_stable=False)
     settings = bench.BenchSettings(prompts=prompts, params=params, ks=[], proposer=a.proposer, max_seq_len=4096)
     configs = [bench.Ours(bench.PLAIN, build_engine(models, None, 4096), 0)]
-    for p in proposers:
+    mins = [int(x) for x in a.ngram_min.split(",")]
+    for p, n_min in ((p, n) for p in proposers for n in (mins if p != "draft" else [1])):
         kw = dict(proposer=p) if p == "ngram" else dict(proposer=p, draft=a.draft, draft_dtype=a.draft_dtype)
+        if p != "draft":
+            kw["ngram_min"] = n_min
         tag = f"{p} " if len(proposers) > 1 else ""
+        if len(mins) > 1 and p != "draft":
+            tag += f"n>={n_min} "
         for k in (int(x) if x != "auto" else x for x in a.chains.split(",")):
             spec = SpeculativeConfig(num_draft_tokens=k, **kw)
             configs.append(bench.Ours(f"{tag}chain k={k}", build_engine(models, spec, 4096), k, p))
@@ -79,6 +87,7 @@ def main() -> None:
              f"tokens, T={a.temperature}, {a.threads} threads, {cpu_name()}")
     bench.print_table(summary, title)
     print(json.dumps({"benchmark": "tree", "model": a.model, "draft": draft, "proposer": a.proposer, "cpu": cpu_name(),
+                      "ngram_min": mins,
                       "prompts": a.prompts, "num_prompts": len(prompts), "max_tokens": a.max_tokens,
                       "temperature": a.temperature, "threads": a.threads, "load_s": round(load_s, 1), **summary}))
 

@@ -564,6 +564,61 @@ def test_training_prompts_are_seeded_alternate_and_hold_out_the_benchmarks():
     assert len(theirs) > 100 and len(ours) > 1000 and not theirs & ours
 
 
+def test_training_prompts_take_the_targets_own_requests_first():
+    """With requests (user turns the target wrote), chat prompts are two requests, then one
+    templated prompt, and so on; every request is used once, in its order; code still alternates."""
+    from specdec.head.data import chat_prompts, training_prompts
+
+    requests = [f"request {i}?" for i in range(7)]
+    items = training_prompts(3, requests=requests)
+    chat = [p for k, p in items if k == "chat"]
+    assert [k for k, _ in items[:10]] == ["code", "chat"] * 5
+    assert chat[:2] == requests[:2] and chat[3:5] == requests[2:4] and chat[9] == requests[6]
+    assert [p for p in chat if p.startswith("request")] == requests
+    assert chat[2] in chat_prompts() and chat[5] in chat_prompts() and chat[10] in chat_prompts()
+    assert sorted(chat) == sorted(requests + chat_prompts())
+    assert items == training_prompts(3, requests=requests)
+
+
+class TurnTokenizer:
+    """A chat template around V = 64 word tokens: "<u>" is [1, 2], token 3 ends a turn, token 4
+    decodes to a non-ASCII word."""
+    chat_template = "<u>{content}</u>"
+    eos_token_ids = frozenset({3})
+    vocab_size = 64
+
+    def apply_chat_template(self, messages):
+        return f"<u>{messages[0]['content']}</u>"
+
+    def encode(self, text, add_special_tokens=True):
+        assert text == "<u>"  # only the user turn's opening is ever encoded here
+        return [1, 2]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join("\u00e9t\u00e9" if i == 4 else f"w{i}" for i in ids)
+
+
+def test_user_requests_are_the_targets_own_finished_turns():
+    """Magpie-style prompts: sampled from the start of a user turn; kept only if the turn ends
+    (EOS) within max_new, is 6+ tokens, mostly ASCII and new; the same seed gives the same list,
+    `exclude` removes a prompt; no chat template, no requests."""
+    from specdec.head.data import user_requests, user_turn_prefix
+
+    target = tiny_model(seed=2, vocab=64, scale=0.05)
+    tok = TurnTokenizer()
+    assert user_turn_prefix(tok) == [1, 2]
+    kept = user_requests(target, tok, 48, seed=0, batch=8, max_new=24)
+    assert kept == user_requests(target, tok, 48, seed=0, batch=8, max_new=24)
+    assert 0 < len(kept) < 48 and len(set(kept)) == len(kept)
+    for text in kept:
+        words = text.split()
+        assert len(words) >= 6 and "w3" not in words and len(words) < 24
+        assert sum(ord(c) > 127 for c in text) <= 0.02 * len(text)
+    assert user_requests(target, tok, 48, seed=0, batch=8, max_new=24, exclude=kept[:1]) == kept[1:]
+    tok.chat_template = None
+    assert user_turn_prefix(tok) is None and user_requests(target, tok, 8, 0, 8) == []
+
+
 def test_corpus_chunks_are_seeded_sized_and_alternate():
     """The teacher-forcing corpus: the same seed gives the same chunks, another seed another
     order; every chunk 64..window tokens; prose and code alternate from the start."""
@@ -629,6 +684,8 @@ def test_train_head_command_end_to_end(tmp_path, capsys):
     assert "already holds a finished head" in capsys.readouterr().err
     assert main([*flags[:-4], "--lr", "0", "--threads", "1"]) == 2
     assert "lr" in capsys.readouterr().err
+    assert main([*flags[:-4], "--user-requests", "-1", "--threads", "1"]) == 2
+    assert "user_requests=-1" in capsys.readouterr().err
     assert main([*flags[:-2], "--harvest-share", "0.5", "--corpus-share", "0.5", "--threads", "1"]) == 2
     err = capsys.readouterr().err
     assert "corpus_share=0.5" in err and "[0, 0.50)" in err

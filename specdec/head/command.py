@@ -32,6 +32,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=_int, default=d.seed, help="prompt order, sampling and initialisation")
     p.add_argument("--harvest-tokens", type=_int, default=d.harvest_tokens,
                    help="training tokens the target writes (prompts + answers), >= 1000")
+    p.add_argument("--user-requests", type=_int, default=d.user_requests,
+                   help="chat prompts the target first writes itself (samples from a user turn's start; "
+                        "0: none), >= 0")
     p.add_argument("--harvest-share", type=_float, default=d.harvest_share,
                    help="most of the budget the harvest may take, (0, 1)")
     p.add_argument("--corpus-tokens", type=_int, default=d.corpus_tokens,
@@ -90,6 +93,7 @@ def settings_from(a) -> TrainSettings:
         minutes=check_float("minutes", a.minutes, 0.0, 1440.0, lo_open=True),
         seed=check_int("seed", a.seed, 0, MAX_SEED),
         harvest_tokens=check_int("harvest_tokens", a.harvest_tokens, 1000, None),
+        user_requests=check_int("user_requests", a.user_requests, 0, None),
         harvest_share=check_float("harvest_share", a.harvest_share, 0.0, 1.0, lo_open=True, hi_open=True),
         corpus_tokens=check_int("corpus_tokens", a.corpus_tokens, 0, None),
         corpus_share=check_float("corpus_share", a.corpus_share, 0.0, 1.0, hi_open=True),

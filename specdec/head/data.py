@@ -163,18 +163,58 @@ def _stub(node: ast.FunctionDef, indent: str) -> str | None:
     return f'{indent}def {node.name}({args}){ret}:\n{indent}    """{body.strip()}\n{indent}    """\n'
 
 
-def training_prompts(seed: int, n_code: int | None = None, n_chat: int | None = None) -> list[tuple[str, str]]:
+def training_prompts(seed: int, n_code: int | None = None, n_chat: int | None = None,
+                     requests: list[str] = ()) -> list[tuple[str, str]]:
     """[(kind, prompt)] shuffled with `seed`, code and chat alternating (a harvest cut short by
-    its budget has as many of each) until one kind runs out."""
+    its budget has as many of each) until one kind runs out. `requests` (the target's own user
+    turns, `user_requests`) come first among the chat prompts, two for each templated one."""
     rng = random.Random(seed)
     code, chat = code_prompts(), chat_prompts()
     rng.shuffle(code)
     rng.shuffle(chat)
+    if requests:
+        chat = [p for i in range(0, max(len(requests), 2 * len(chat)), 2)
+                for p in list(requests[i: i + 2]) + chat[i // 2: i // 2 + 1]]
     code, chat = code[:n_code] if n_code else code, chat[:n_chat] if n_chat else chat
     items = []
     for i in range(max(len(code), len(chat))):
         items += [("code", p) for p in code[i: i + 1]] + [("chat", p) for p in chat[i: i + 1]]
     return items
+
+
+def user_turn_prefix(tokenizer) -> list[int] | None:
+    """The chat template's ids up to where a user's message begins (a system turn included), or
+    None for a model without a chat template."""
+    mark = "SPECDEC-USER-MESSAGE"
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    text = tokenizer.apply_chat_template([{"role": "user", "content": mark}])
+    return tokenizer.encode(text[: text.index(mark)], add_special_tokens=False) if mark in text else None
+
+
+def user_requests(model, tokenizer, n: int, seed: int, batch: int, temperature: float = 0.9,
+                  max_new: int = 64, deadline: float | None = None, on_sequence=None,
+                  exclude: Iterable[str] = ()) -> list[str]:
+    """Chat prompts written by the target itself (as Magpie does): sampled `n` times from the
+    start of a user turn, each kept if it ends its turn within `max_new` tokens, is 6+ tokens,
+    mostly ASCII and new (none of `exclude`: the held-out prompts). The target's own idea of what
+    users ask is more varied than any template list, and costs no download."""
+    prefix = user_turn_prefix(tokenizer)
+    if prefix is None or n <= 0:
+        return []
+    seqs = harvest(model, tokenizer, [("user", prefix)] * n, max_new, batch, seed, sampled_share=1.0,
+                   temperature=temperature, deadline=deadline, on_sequence=on_sequence)
+    eos = set(tokenizer.eos_token_ids)
+    seen, out = set(exclude), []
+    for s in sorted(seqs, key=lambda s: s.index):
+        answer = s.tokens[s.prompt_len:]
+        if len(answer) < 7 or answer[-1] not in eos:
+            continue
+        text = tokenizer.decode(answer[:-1]).strip()
+        if text and text not in seen and sum(ord(c) > 127 for c in text) <= 0.02 * len(text):
+            seen.add(text)
+            out.append(text)
+    return out
 
 
 def corpus_chunks(tokenizer, seed: int, window: int = CORPUS_WINDOW) -> Iterator[tuple[str, list[int]]]:
@@ -253,12 +293,13 @@ class Sequence:
 
 
 @torch.inference_mode()
-def harvest(model, tokenizer, prompts: list[tuple[str, str]], max_new: int, batch: int, seed: int,
+def harvest(model, tokenizer, prompts: list[tuple[str, str | list[int]]], max_new: int, batch: int, seed: int,
             sampled_share: float = 0.3, temperature: float = 0.7, deadline: float | None = None,
             token_budget: int | None = None, on_sequence=None, taps: tuple[int, ...] = ()) -> list[Sequence]:
-    """The target answers each prompt (greedy, or sampled at `temperature` for a `sampled_share`
-    of them: the head also meets the target's less likely text), `batch` rows decoding at once;
-    a finished row takes the next prompt. Starts no new prompt after `deadline`
+    """The target answers each prompt (text, chat-formatted; or token ids, taken as they are),
+    greedy or sampled at `temperature` for a `sampled_share` of them (the head also meets the
+    target's less likely text), `batch` rows decoding at once; a finished row takes the next
+    prompt. Starts no new prompt after `deadline`
     (time.monotonic()) or once `token_budget` tokens (prompts + answers) are written.
     on_sequence(seq): told each finished sequence. taps: also keep the residual streams after
     these layers (Transformer.forward)."""
@@ -275,7 +316,7 @@ def harvest(model, tokenizer, prompts: list[tuple[str, str]], max_new: int, batc
     def start(row: int) -> None:
         while todo:
             index, (kind, text) = todo.pop(0)
-            ids = tokenizer.encode_prompt(text)
+            ids = list(text) if isinstance(text, list) else tokenizer.encode_prompt(text)
             if len(ids) > MAX_PROMPT or len(ids) + max_new >= context:
                 continue
             n = len(ids)

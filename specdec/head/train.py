@@ -32,7 +32,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from specdec.errors import SpecdecError
 from specdec.head import attach
 from specdec.head.data import (CORPUS_WINDOW, Sequence, append_shard, corpus_chunks, harvest, load_shards,
-                               teacher_force, training_prompts)
+                               teacher_force, training_prompts, user_requests)
 from specdec.head.model import DraftHead, HeadConfig
 from specdec.tools.prompts import CHAT_PROMPTS, humaneval
 
@@ -49,6 +49,7 @@ class TrainSettings:
     minutes: float = 50.0  # the whole run: harvest, training and held-out measurement
     harvest_share: float = 0.45  # most of the budget spent harvesting
     harvest_tokens: int = 300_000  # harvest until this many tokens (prompts + answers)
+    user_requests: int = 1500  # chat prompts the target writes itself first (samples; 0: none)
     corpus_share: float = 0.15  # then teacher forcing on library text, at most this share of the budget
     corpus_tokens: int = 0  # teacher-forced tokens (0: none; docs/draft-head.md: it did not pay here yet)
     epochs: float = 2.0  # passes over the harvested pairs (or until the budget ends)
@@ -227,13 +228,22 @@ def train_head(model, tokenizer, target: str, sha256: str, st: TrainSettings, co
         if not console.is_terminal:
             console.print(f"{time.strftime('%H:%M:%S')} {line}", highlight=False, soft_wrap=True)
 
-    prompts = training_prompts(st.seed)
     have = load_shards(work)
     done_ids = {i for i, _ in have}
     harvest_end = t_start + 60 * st.minutes * st.harvest_share - state["spent_s"]
     cols = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed:.0f}/{task.total}"),
             TextColumn("{task.fields[info]}"), TimeElapsedColumn())
     with Progress(*cols, console=console, transient=False) as progress:
+        requests_path = work / "user_requests.json"  # fixed once written: the prompt list must not change
+        if not requests_path.exists() and not have and st.user_requests:
+            task = progress.add_task("user turns", total=st.user_requests, info="the target writes chat prompts")
+            t0 = time.monotonic()
+            requests = user_requests(model, tokenizer, st.user_requests, st.seed, st.batch, deadline=harvest_end,
+                                     on_sequence=lambda _: progress.advance(task), exclude=CHAT_PROMPTS)
+            requests_path.write_text(json.dumps(requests, indent=0))
+            log(f"user turns: {len(requests)} kept of {st.user_requests} in {time.monotonic() - t0:.0f} s")
+        requests = json.loads(requests_path.read_text()) if requests_path.exists() else []
+        prompts = training_prompts(st.seed, requests=requests)
         todo = [(i, p) for i, p in enumerate(prompts) if i not in done_ids]
         if todo and time.monotonic() < harvest_end and not state.get("harvest_done"):
             task = progress.add_task("harvest", total=len(prompts), completed=len(done_ids), info="")
@@ -367,9 +377,10 @@ def train_head(model, tokenizer, target: str, sha256: str, st: TrainSettings, co
         results = {name: acceptance(head, s) for name, s in held.items()}
         progress.update(task, completed=1, total=1, info="")
     forced = any(s.kind.startswith("corpus") for s in seqs)
-    cfg.train = {"data": "stdlib code prompts + specdec chat templates, answered by the target"
+    cfg.train = {"data": "stdlib code prompts + specdec chat templates"
+                         + (" + chat prompts the target wrote" if requests else "") + ", answered by the target"
                          + ("; stdlib modules and the Python reference's prose, teacher-forced" if forced else ""),
-                 "sequences": len(seqs), "tokens": sum(len(s.tokens) for s in seqs), "pairs": n_pairs,
+                 "user_requests": len(requests), "sequences": len(seqs), "tokens": sum(len(s.tokens) for s in seqs), "pairs": n_pairs,
                  "answered_tokens": sum(len(s.tokens) for s in seqs if not s.kind.startswith("corpus")),
                  "teacher_forced_tokens": sum(len(s.tokens) for s in seqs if s.kind.startswith("corpus")),
                  "epochs": round(seen / max(n_pairs, 1), 2), "steps": step, "seed": st.seed,
