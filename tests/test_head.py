@@ -668,6 +668,8 @@ def test_train_head_command_end_to_end(tmp_path, capsys):
     from tiny_hf import write_tiny_hf
 
     model = write_tiny_hf(tmp_path / "m", vocab=300)
+    (tmp_path / "m" / "tokenizer_config.json").write_text(json.dumps({  # a chat template: user turns
+        "chat_template": "{% for m in messages %}w1 {{ m['content'] }} w3 {% endfor %}w2", "eos_token": "w3"}))
     out = tmp_path / "head"
     flags = ["train-head", "--model", model, "--out", str(out), "--minutes", "1", "--harvest-tokens", "3000",
              "--epochs", "2", "--draft-vocab", "256", "--intermediate", "32", "--max-new", "24",
@@ -676,6 +678,8 @@ def test_train_head_command_end_to_end(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["train"]["steps"] >= 1 and report["train"]["answered_tokens"] >= 3000
     assert report["train"]["teacher_forced_tokens"] >= 2000
+    requests = json.loads((out / "work" / "user_requests.json").read_text())  # ceil(3000 / 24) asked for
+    assert report["train"]["user_requests"] == len(requests) and len(requests) <= 125
     assert report["held_out"]["chat"]["rounds"] > 0 and len(report["held_out"]["code"]["acceptance_at"]) == 5
     head = DraftHead.load(out)
     assert head.cfg.draft_vocab == 256 and head.cfg.train["batch_pairs"] == 256 and head.cfg.taps == [0]

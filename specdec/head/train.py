@@ -40,6 +40,7 @@ STEP_WEIGHTS = (1.0, 0.8, 0.6, 0.5, 0.4)  # loss weight of each unrolled draft s
 REGRESSION = 0.5  # weight of the feature regression beside the distribution's cross-entropy
 TOP_W = 4  # held-out: how often the next token is among the first draft's top 1..TOP_W
 WINDOW = 384  # positions per training window
+REQUESTS_SHARE = 0.25  # most of the harvest's time the target may spend writing its own requests
 CHECKPOINT_S = 60.0  # seconds between checkpoints (a stopped run loses at most this much training)
 
 
@@ -235,13 +236,16 @@ def train_head(model, tokenizer, target: str, sha256: str, st: TrainSettings, co
             TextColumn("{task.fields[info]}"), TimeElapsedColumn())
     with Progress(*cols, console=console, transient=False) as progress:
         requests_path = work / "user_requests.json"  # fixed once written: the prompt list must not change
-        if not requests_path.exists() and not have and st.user_requests:
-            task = progress.add_task("user turns", total=st.user_requests, info="the target writes chat prompts")
+        # no more requests than the harvest can answer, in at most REQUESTS_SHARE of its time
+        n_requests = min(st.user_requests, -(-st.harvest_tokens // st.max_new))
+        if not requests_path.exists() and not have and n_requests:
+            task = progress.add_task("user turns", total=n_requests, info="the target writes chat prompts")
             t0 = time.monotonic()
-            requests = user_requests(model, tokenizer, st.user_requests, st.seed, st.batch, deadline=harvest_end,
+            requests = user_requests(model, tokenizer, n_requests, st.seed, st.batch,
+                                     deadline=t0 + REQUESTS_SHARE * max(harvest_end - t0, 0.0),
                                      on_sequence=lambda _: progress.advance(task), exclude=CHAT_PROMPTS)
             requests_path.write_text(json.dumps(requests, indent=0))
-            log(f"user turns: {len(requests)} kept of {st.user_requests} in {time.monotonic() - t0:.0f} s")
+            log(f"user turns: {len(requests)} kept of {n_requests} in {time.monotonic() - t0:.0f} s")
         requests = json.loads(requests_path.read_text()) if requests_path.exists() else []
         prompts = training_prompts(st.seed, requests=requests)
         todo = [(i, p) for i, p in enumerate(prompts) if i not in done_ids]
