@@ -299,8 +299,8 @@ def harvest(model, tokenizer, prompts: list[tuple[str, str | list[int]]], max_ne
     """The target answers each prompt (text, chat-formatted; or token ids, taken as they are),
     greedy or sampled at `temperature` for a `sampled_share` of them (the head also meets the
     target's less likely text), `batch` rows decoding at once; a finished row takes the next
-    prompt. Starts no new prompt after `deadline`
-    (time.monotonic()) or once `token_budget` tokens (prompts + answers) are written.
+    prompt. Starts no new prompt after `deadline` (time.monotonic()) or once `token_budget`
+    tokens (prompts + answers) are written.
     on_sequence(seq): told each finished sequence. taps: also keep the residual streams after
     these layers (Transformer.forward)."""
     gen = torch.Generator().manual_seed(seed)
