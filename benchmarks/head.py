@@ -9,6 +9,7 @@ speculative output must equal plain token for token (`greedy_mismatches`).
     .venv/bin/python benchmarks/head.py --baseline-head DIR ...   # another head beside it, same prompts
     .venv/bin/python benchmarks/head.py --step-ab ...              # first: one draft step, fused vs torch
     .venv/bin/python benchmarks/head.py --ks 1,2 --trees 3 3,1 auto  # head draft trees beside its chains
+    .venv/bin/python benchmarks/head.py --composite 1,auto             # n-gram lookup first, then the head
 
 Held out: the chat set and HumanEval are never in a head's training data (specdec.head.data).
 """
@@ -81,6 +82,9 @@ def main() -> None:
                     help="head draft trees (children per depth, k = depth; auto: adaptive k and shape; "
                          "dynamic: grown by the head's confidence, depth --dynamic-k)")
     ap.add_argument("--dynamic-k", default="4", help="depth of the dynamic trees (an integer or auto)")
+    ap.add_argument("--composite", default="", metavar="K,K,...",
+                    help="also the n-gram + head composite at these k (an integer or auto)")
+    ap.add_argument("--ngram-min", default="1", help="the composite's shortest n-gram match (a list: one row each)")
     ap.add_argument("--baseline-head", default=None, help="another head, benchmarked beside --head at k=auto")
     ap.add_argument("--step-ab", action="store_true", help="first time one draft step: fused vs torch ops")
     a = ap.parse_args()
@@ -104,6 +108,12 @@ def main() -> None:
         k = "auto" if widths == "auto" else dyn_k if widths.startswith("dynamic") else len(widths.split(","))
         spec = SpeculativeConfig(proposer="head", head=a.head, num_draft_tokens=k, draft_tree=widths)
         configs.append(bench.Ours(f"head tree {widths}", build_engine(models, spec, 4096), k, "head"))
+    for k in filter(None, a.composite.split(",")):
+        k = k if k == "auto" else int(k)
+        for m in (int(x) for x in a.ngram_min.split(",")):
+            spec = SpeculativeConfig(proposer="composite", head=a.head, num_draft_tokens=k, ngram_min=m)
+            name = f"composite k={k}" + (f" ngram-min {m}" if a.ngram_min != "1" else "")
+            configs.append(bench.Ours(name, build_engine(models, spec, 4096), k, "composite"))
     if a.baseline_head:
         spec = SpeculativeConfig(proposer="head", head=a.baseline_head, num_draft_tokens="auto")
         configs.append(bench.Ours("baseline head k=auto", build_engine(models, spec, 4096), "auto", "head"))

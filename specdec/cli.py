@@ -85,11 +85,12 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None, help="draft model (name, GGUF or HF dir) for speculation")
     p.add_argument("--proposer", default=None,
                    help="draft | ngram | composite (n-gram lookup first, the draft model when it "
-                        "finds nothing) | head (a trained draft head: --head DIR, or the one shipped "
+                        "finds nothing; without --draft, the draft head) | head (a trained draft head: --head DIR, or the one shipped "
                         "for the model). Default: composite when --draft is given (draft with a fixed "
                         "or auto --draft-tree), head when --head is; no speculation otherwise")
     p.add_argument("--head", default=None, metavar="DIR",
-                   help="a draft head trained by `specdec train-head` (implies --proposer head)")
+                   help="a draft head trained by `specdec train-head` (implies --proposer head; "
+                        "also the second part of --proposer composite without --draft)")
     p.add_argument("--ngram-min", type=_int, default=1, help="shortest suffix n-gram to match, [1, 64]")
     p.add_argument("--ngram-max", type=_int, default=4, help="longest suffix n-gram to match, [1, 64]")
     p.add_argument("--num-draft-tokens", default="auto",

@@ -206,11 +206,11 @@ class SpeculativeConfig:
     max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS  # k_max for "auto"
     draft_sampling: str = "probabilistic"  # how the draft samples its tokens: q = full or one-hot
     draft_dtype: str = "auto"
-    proposer: str | None = None  # draft | ngram | composite (n-gram first, then the draft model) |
-    # head (a trained draft head); default: "composite" if a draft is given ("draft" with a fixed
-    # or auto draft_tree), "head" if a head, else "ngram"
-    head: str | None = None  # a trained head's directory (default for proposer "head": the one
-    # shipped for the target, specdec.head.shipped_head)
+    proposer: str | None = None  # draft | ngram | composite (n-gram first, then the draft model,
+    # or without one the head) | head (a trained draft head); default: "composite" if a draft is
+    # given ("draft" with a fixed or auto draft_tree), "head" if a head, else "ngram"
+    head: str | None = None  # a trained head's directory (default for proposer "head", and
+    # "composite" without a draft: the one shipped for the target, specdec.head.shipped_head)
     ngram_min: int = 1
     ngram_max: int = 4
     draft_tree: str | tuple | None = None  # children per depth ("3,2,1" or (3, 2, 1)): the draft
@@ -227,8 +227,11 @@ class SpeculativeConfig:
         if self.proposer is None:
             self.proposer = self._default_proposer()
         check_choice("proposer", self.proposer, PROPOSERS)
-        if self.proposer in ("draft", "composite") and self.draft is None:
+        if self.proposer == "draft" and self.draft is None:
             raise SpecdecError(f"proposer={self.proposer!r} needs a draft model (--draft MODEL)", "draft")
+        if self.proposer == "composite" and self.draft is not None and self.head is not None:
+            raise SpecdecError(f"head={self.head!r} and draft={self.draft!r}: a composite's second part is the "
+                               "draft model or, without one, the head; allowed: one of them", "head")
         check_ngram_range(self.ngram_min, self.ngram_max)
         self.num_draft_tokens = parse_num_draft_tokens(self.num_draft_tokens)
         self.max_draft_tokens = check_int("max_draft_tokens", self.max_draft_tokens, 0, MAX_DRAFT_TOKENS)
@@ -240,6 +243,10 @@ class SpeculativeConfig:
             raise SpecdecError(f"draft_tree={tree_text(self.draft_tree)}: an n-gram tree grows from the earlier "
                                "matches of the context, not a fixed shape; allowed with proposer='ngram': "
                                "'dynamic', 'dynamic:N' or 'off'", "draft_tree")
+        if self.draft_tree is not None and self.proposer == "composite" and self.draft is None:
+            raise SpecdecError(f"draft_tree={tree_text(self.draft_tree)}: a composite tree needs a draft model; "
+                               "the n-gram and head composite drafts chains; allowed: 'off', or --draft MODEL",
+                               "draft_tree")
         if self.draft_tree is not None and self.proposer == "composite" and not dynamic:
             raise SpecdecError(f"draft_tree={tree_text(self.draft_tree)}: a composite tree is the union of the "
                                "n-gram trie and the draft model's dynamic tree, not a fixed shape; allowed with "
@@ -270,16 +277,15 @@ class SpeculativeConfig:
                     raise SpecdecError(f"{name}={getattr(self, name)!r} applies to a draft model, and "
                                        "proposer='ngram' has none; allowed: proposer draft or composite",
                                        name)
-        if self.head is not None and self.proposer != "head":
-            raise SpecdecError(f"head={self.head!r} is only used by proposer='head', not {self.proposer!r}",
-                               "head")
-        if self.proposer == "head":
-            if self.draft is not None:
-                raise SpecdecError(f"draft={self.draft!r} is not used by proposer='head'; allowed: proposer "
-                                   "draft or composite with a draft, or no draft", "draft")
-            if self.draft_dtype != "auto":
-                raise SpecdecError(f"draft_dtype={self.draft_dtype!r} applies to a draft model, and "
-                                   "proposer='head' has none", "draft_dtype")
+        if self.head is not None and self.proposer not in ("head", "composite"):
+            raise SpecdecError(f"head={self.head!r} is only used by proposer='head' or 'composite' (without a "
+                               f"draft), not {self.proposer!r}", "head")
+        if self.proposer == "head" and self.draft is not None:
+            raise SpecdecError(f"draft={self.draft!r} is not used by proposer='head'; allowed: proposer "
+                               "draft or composite with a draft, or no draft", "draft")
+        if self.proposer in ("head", "composite") and self.draft is None and self.draft_dtype != "auto":
+            raise SpecdecError(f"draft_dtype={self.draft_dtype!r} applies to a draft model, and "
+                               f"proposer={self.proposer!r} without --draft has none", "draft_dtype")
         if self.proposer in ("draft", "head") and (self.ngram_min, self.ngram_max) != (1, 4):
             raise SpecdecError(f"ngram_min={self.ngram_min}, ngram_max={self.ngram_max} apply to n-gram "
                                "lookup, which proposer='draft' does not use; allowed: proposer ngram or "

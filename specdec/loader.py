@@ -9,6 +9,7 @@ directory in fp32; see specdec.config.DTYPES for the rest.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
 from dataclasses import dataclass
@@ -77,9 +78,22 @@ def load_model(name: str, dtype: str = "auto", device: str | None = None, progre
             progress(f"preparing {name} ({dtype}) for this CPU's kernels into {entry} (once)")
         model = _prepare(gguf if native else path, dtype, device, part)
         if entry is not None and prepared.save(entry, model):
-            model = prepared.load(entry) or model  # the mapping: each weight held once, from now on
+            mapped = prepared.load(entry)  # the mapping: each weight held once, from now on
+            if mapped is not None:
+                model = mapped
+                release_freed_memory()  # the packed copy just dropped
     tok = Tokenizer.load(path) if part is None or part.embed else None  # a later stage: ids only
     return model, tok
+
+
+def release_freed_memory() -> None:
+    """Hand memory the process has freed back to the OS where the C library keeps it (glibc's
+    heap holds the freed blocks of a dropped in-memory model, ~the model's size, beside the
+    mapping that replaced it); elsewhere nothing to do."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):
+        pass
 
 
 def _prepare(source: Path, dtype: str, device: str, part: Part | None) -> Transformer:
@@ -176,21 +190,43 @@ def load_models(model, draft=None, dtype="auto", draft_dtype="auto", device=None
 
 def make_proposer(spec: SpeculativeConfig, models: Models, max_seq_len: int):
     """A fresh proposer (proposers keep per-request state: one per engine)."""
-    if spec.proposer in ("draft", "composite") and models.draft is None:
+    if models.draft is None and (spec.proposer == "draft" or spec.draft is not None):
         raise SpecdecError(f"proposer={spec.proposer!r} needs a draft model (--draft MODEL)")
     if spec.proposer == "ngram":
         return NgramProposer(spec.ngram_min, spec.ngram_max)
-    if spec.proposer == "head":
-        return HeadProposer(head_for(spec, models), models.vocab, max_seq_len, spec.draft_sampling)
+    if drafts_with_head(spec, models):
+        head = HeadProposer(head_for(spec, models), models.vocab, max_seq_len, spec.draft_sampling)
+        if spec.proposer == "head":
+            return head
+        return CompositeProposer([NgramProposer(spec.ngram_min, spec.ngram_max), head])
     dm = DraftModelProposer(models.draft, models.vocab, max_seq_len, spec.draft_sampling)
     if spec.proposer == "draft":
         return dm
     return CompositeProposer([NgramProposer(spec.ngram_min, spec.ngram_max), dm])
 
 
+def drafts_with_head(spec: SpeculativeConfig, models: Models) -> bool:
+    """Whether a draft head drafts: proposer "head", or "composite" without a draft model."""
+    return spec.proposer == "head" or (spec.proposer == "composite" and models.draft is None)
+
+
+def head_path(spec: SpeculativeConfig, model: str) -> str:
+    """The head a head-drafting spec uses: its own, or the one shipped for `model` (an error
+    naming both ways out where none is)."""
+    if spec.head is not None:
+        return spec.head
+    try:
+        return shipped_head(model)
+    except SpecdecError as e:
+        if spec.proposer != "composite":
+            raise
+        raise SpecdecError(f"proposer='composite' needs a draft model (--draft MODEL) or a draft head "
+                           f"(--head DIR): {e}", "draft") from None
+
+
 def head_for(spec: SpeculativeConfig, models: Models):
     """The head spec asks for (or the target's shipped one), loaded once per Models."""
-    path = spec.head or shipped_head(models.name)
+    path = head_path(spec, models.name)
     if path not in models.heads:
         sha = REGISTRY[models.name].sha256 if models.name in REGISTRY else None
         models.heads[path] = load_head(path, models.target, sha)

@@ -204,6 +204,44 @@ def test_a_failed_conversion_leaves_no_entry(tmp_path, cache, monkeypatch, where
     assert entries(cache) == [out.name] and (out / "DONE").is_file()
 
 
+def test_a_conversion_is_written_in_shards_that_load_as_one(tmp_path, cache, monkeypatch):
+    """With shards smaller than the model, a conversion writes several files, each no larger than
+    a shard unless one tensor is (so about one shard is held at a time, not the model), and the
+    index transformers reads; our loader and transformers read back exactly the tensors a whole
+    dequantisation gives."""
+    import json
+
+    import safetensors.torch
+    from transformers import AutoModelForCausalLM
+
+    gguf = tmp_path / "model.gguf"
+    write_tiny_gguf(gguf)
+    monkeypatch.setattr(W, "SHARD_BYTES", 40_000)
+    written, real = [], safetensors.torch.save_file
+
+    def save_file(tensors, *args, **kw):
+        written.append(sum(t.nbytes for t in tensors.values()))
+        assert written[-1] <= W.SHARD_BYTES or len(tensors) == 1
+        return real(tensors, *args, **kw)
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+    out = W.convert_gguf(gguf)
+    _, want = W.read_gguf(gguf)
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(files) == len(written) >= 3 and sum(written) == sum(t.nbytes for t in want.values())
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(want) and set(index["weight_map"].values()) == set(files)
+    _, got = W.load_hf_dir(out)
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).state_dict()
+    assert all(torch.equal(hf[k], want[k]) for k in want if k in hf)
+    assert len([k for k in want if k in hf]) == len(want)
+    monkeypatch.setattr(W, "SHARD_BYTES", 1 << 40)  # one shard: a single model.safetensors, no index
+    out.joinpath("DONE").unlink()
+    one = W.convert_gguf(gguf)
+    assert sorted(p.name for p in one.glob("*.safetensors")) == ["model.safetensors"]
+    assert not (one / "model.safetensors.index.json").exists()
+
+
 def unusable_caches(tmp_path) -> list[Path]:
     """A path under a regular file (fails for root too) and, where chmod binds (not root), a
     read-only directory."""

@@ -280,7 +280,7 @@ def _assert_joint_exact(engine, target, params) -> None:
     # the head its pairs in one forward instead of two, and torch's GEMM rounds by shape, ~1e-8)
     assert abs(sum(got.values()) - 1.0) < 1e-6
     assert _max_diff(got, target_joint_exact(target, PROMPT, params)) < 1e-6
-    assert engine.proposer.forwards > 0  # the head drafted
+    assert engine.proposer.parts()[-1].forwards > 0  # the head drafted (alone, or a composite's last part)
 
 
 def _q_over_full_vocabulary(monkeypatch):
@@ -442,22 +442,104 @@ def test_head_samples_match_target(tiny, control, monkeypatch):
         assert p > 1e-3
 
 
+# ---- the n-gram + head composite (`--proposer composite` without a draft model) ------------------
+def composite_engine(target, head, k, max_batch=1, ngram_min=2):
+    """n-gram lookup first (matches of >= ngram_min tokens: on a 4-token vocabulary every context
+    has a 1-token match, so the head would never be asked), the head where it finds nothing."""
+    models = Models(target, None, None, 4, "target", None)
+    models.heads["tiny"] = head
+    spec = SpeculativeConfig(proposer="composite", head="tiny", num_draft_tokens=k, ngram_min=ngram_min)
+    return build_engine(models, spec, max_model_len=64, max_batch=max_batch)
+
+
+def _count_ngram_drafts(engine) -> list[int]:
+    """Draft tokens the composite's n-gram part proposes, per call, from now on."""
+    ngram, calls = engine.proposer.proposers[0], []
+    real = ngram.propose
+
+    def propose(*args, **kw):
+        prop = real(*args, **kw)
+        calls.append(int(prop.num_draft.sum()))
+        return prop
+    ngram.propose = propose
+    return calls
+
+
+BATCH_PROMPTS = [[1, 2, 3], [0, 3, 3, 1, 2, 0, 1], [2], [3, 1, 0, 0, 2]]
+GREEDY = SamplingParams(temperature=0, max_tokens=24)
+
+
 @pytest.mark.parametrize("which", ["tiny", "tapped"])
-def test_greedy_head_speculation_equals_plain_batched(which, request):
-    """Rows of different prompts and lengths in one batch, k = 3 and adaptive k: the same tokens
-    as plain greedy decoding, and the head drafted (and had some accepted)."""
+@pytest.mark.parametrize("proposer", ["head", "composite"])
+def test_greedy_head_speculation_equals_plain_batched(which, proposer, request):
+    """Rows of different prompts and lengths in one batch, k = 3 and adaptive k, the head alone or
+    after the n-gram lookup: the same tokens as plain greedy decoding, and the head drafted (and
+    had some accepted); in the composite both parts drafted."""
     target, head = request.getfixturevalue(which)
-    prompts = [[1, 2, 3], [0, 3, 3, 1, 2, 0, 1], [2], [3, 1, 0, 0, 2]]
-    params = SamplingParams(temperature=0, max_tokens=24)
     plain = build_engine(Models(target, None, None, 4, "target", None), None, max_model_len=64, max_batch=4)
-    want = [r.output for r in plain.generate(prompts, params)]
+    want = [r.output for r in plain.generate(BATCH_PROMPTS, GREEDY)]
+    build = head_engine if proposer == "head" else composite_engine
     for k in (3, "auto"):
-        eng = head_engine(target, head, k, max_batch=4)
-        got = eng.generate(prompts, params)
-        assert [r.output for r in got] == want
+        got = build(target, head, k, max_batch=4).generate(BATCH_PROMPTS, GREEDY)
+        assert [r.output for r in got] == want, k
         assert sum(r.stats.draft_tokens for r in got) > 0
         if k == 3:
             assert sum(r.stats.accepted_tokens for r in got) > 0
+        if proposer == "composite":
+            assert {name for r in got for name in r.stats.proposers} == {"ngram", "head"}, k
+
+
+@pytest.mark.parametrize("which", ["tiny", "tapped"])
+def test_head_composite_feeds_the_head_every_round(which, request):
+    """The head's features (the target's hidden states) reach it in the n-gram's rounds too: after
+    a request, the head holds one per committed position but the last, equal to those a head-only
+    engine received for the same tokens (the runtime is batch-invariant)."""
+    target, head = request.getfixturevalue(which)
+    prompt = BATCH_PROMPTS[1]
+    alone = composite_engine(target, head, 3)
+    ngram_calls = _count_ngram_drafts(alone)
+    r = alone.generate([prompt], GREEDY)[0]
+    assert sum(ngram_calls) > 0 and r.stats.proposers["head"].proposals > 0
+    solo = head_engine(target, head, 3)
+    assert solo.generate([prompt], GREEDY)[0].output == r.output
+    n = len(prompt) + len(r.output) - 1
+    feats, ref = alone.proposer.proposers[1]._all(0), solo.proposer._all(0)
+    assert len(feats) == n and len(ref) == n
+    assert torch.equal(feats, ref)
+
+
+@pytest.mark.parametrize("setting", ["plain", "temp0.6_topk2", "penalties"])
+def test_head_composite_joint_equals_target_joint(tiny, setting):
+    """Rounds drafted by the n-gram (one-hot q) and by the head (its q on 3 of the 4 tokens) in
+    one request: the joint of the first 3 tokens is the target's, to 1e-6."""
+    target, head = tiny
+    params = SamplingParams(max_tokens=16, **SETTINGS[setting])
+    engine = composite_engine(target, head, 2, ngram_min=1)
+    ngram_calls = _count_ngram_drafts(engine)
+    _assert_joint_exact(engine, target, params)  # (asserts that the head drafted)
+    assert sum(ngram_calls) > 0
+
+
+def test_exact_test_catches_q_over_full_vocabulary_in_the_composite(tiny, monkeypatch):
+    """The same control through the composite: the enumeration sees the head's wrong q."""
+    target, head = tiny
+    params = SamplingParams(max_tokens=16, temperature=1.0)
+    _q_over_full_vocabulary(monkeypatch)
+    got = engine_joint_exact(composite_engine(target, head, 2, ngram_min=1), PROMPT, params)
+    assert _max_diff(got, target_joint_exact(target, PROMPT, params)) > 1e-3
+
+
+def test_head_composite_flags_are_checked():
+    assert SpeculativeConfig(proposer="composite", head="dir").draft is None  # no draft model needed
+    with pytest.raises(SpecdecError, match="second part is the draft model or, without one, the head"):
+        SpeculativeConfig(proposer="composite", head="dir", draft="x")
+    with pytest.raises(SpecdecError, match="composite tree needs a draft model"):
+        SpeculativeConfig(proposer="composite", draft_tree="dynamic")
+    with pytest.raises(SpecdecError, match="draft_dtype='q4_0' applies to a draft model"):
+        SpeculativeConfig(proposer="composite", draft_dtype="q4_0").check_unused()
+    with pytest.raises(SpecdecError, match="composite' needs a draft model .* or a draft head .*no head is shipped "
+                                           "for model 'nope'"):
+        build_engine(Models(tiny_model(**KW), None, None, 4, "nope", None), SpeculativeConfig(proposer="composite"))
 
 
 def test_verify_command_with_a_head(tiny, tmp_path, capsys):
@@ -477,6 +559,29 @@ def test_verify_command_with_a_head(tiny, tmp_path, capsys):
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and report["verdict"] == "pass", report
     assert report["rounds_with_drafts"] > 0 and 0 < report["acceptance_rate"] < 1
+    rc = main(args + ["--control", "redraw-from-p"])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 1 and report["verdict"] == "fail", report
+
+
+def test_verify_command_with_the_head_composite(tiny, tmp_path, capsys):
+    """`specdec verify --proposer composite --head DIR` (no draft model): both parts draft, the
+    audit passes at T = 1 and fails the classic bug."""
+    from specdec.cli import main
+    from tiny_hf import write_tiny_hf
+
+    target_dir = write_tiny_hf(tmp_path / "target", seed=31, scale=0.6, **KW)
+    torch.manual_seed(3)
+    head = DraftHead(tiny[1].cfg)
+    head.vocab = tiny[1].vocab
+    head.save(tmp_path / "head", dtype=torch.float32)
+    args = ["verify", "--model", str(target_dir), "--proposer", "composite", "--head", str(tmp_path / "head"),
+            "--ngram-min", "2", "--prefix", "w1 w2 w3 w1 w2", "--num-draft-tokens", "3", "--n", "3",
+            "--samples", "4000", "--temperature", "1", "--seed", "3"]
+    rc = main(args)
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and report["verdict"] == "pass", report
+    assert {n for n, p in report["proposers"].items() if p["proposals"] > 0} == {"ngram", "head"}, report
     rc = main(args + ["--control", "redraw-from-p"])
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 1 and report["verdict"] == "fail", report
@@ -535,6 +640,29 @@ def test_shipped_head_greedy_equals_plain_on_smollm2(smollm2_models):
         assert drafted > 0 and accepted > 0, (k, tree, accepted, drafted)
         if tree in ((3, 2, 1), "dynamic"):
             assert later, "no accepted path went through a later sibling"
+
+
+def test_shipped_head_composite_greedy_equals_plain_on_smollm2(smollm2_models):
+    """`--proposer composite` on SmolLM2 (no draft model: the n-gram lookup, then the shipped head):
+    greedy output equals plain, batched and alone, k = 1 and adaptive k; at k = 1 both parts drafted
+    and had drafts accepted."""
+    from specdec.tools.prompts import CHAT_PROMPTS, humaneval
+
+    models = smollm2_models
+    tok = models.tokenizer
+    prompts = [tok.encode_prompt(p) for p in CHAT_PROMPTS[:2] + humaneval(2)]
+    params = SamplingParams(temperature=0, max_tokens=48)
+    want = [r.output for r in build_engine(models, None, max_model_len=2048, max_batch=4).generate(prompts, params)]
+    for k in (1, "auto"):
+        eng = build_engine(models, SpeculativeConfig(proposer="composite", num_draft_tokens=k),
+                           max_model_len=2048, max_batch=4)
+        got = eng.generate(prompts, params)
+        assert [r.output for r in got] == want, k
+        assert [eng.generate([p], params)[0].output for p in prompts[:2]] == want[:2], k
+        if k == 1:
+            for name in ("ngram", "head"):
+                accepted = sum(r.stats.proposers[name].tokens_accepted for r in got if name in r.stats.proposers)
+                assert accepted > 0, name
 
 
 class ByteTokenizer:

@@ -80,8 +80,9 @@ class Proposer(Protocol):
         committed tokens, drop the rest."""
         ...
 
-    def skip(self, req: Request) -> None:
-        """Another part drafted this row's round: keep only committed state."""
+    def skip(self, req: Request, result: RowResult) -> None:
+        """Another part drafted this row's round: keep only committed state (result: the round
+        as committed, with the target's hidden states when wants_hidden_states)."""
         ...
 
     def release(self, req: Request) -> None: ...
@@ -131,7 +132,7 @@ class ProposerBase:
     def accept(self, req: Request, result: RowResult) -> None:
         pass
 
-    def skip(self, req: Request) -> None:
+    def skip(self, req: Request, result: RowResult) -> None:
         pass
 
     def release(self, req: Request) -> None:

@@ -1,8 +1,10 @@
 """Composite proposer: ask each proposer in order, per row, and take the first that drafts.
 
-Default order: n-gram lookup (free) first, then the draft model. A proposer that was not used
-for a row in a round is simply not told about that round; proposers that keep their own cache
-(the draft model) catch up on every committed token the next time they are asked.
+Default order: n-gram lookup (free) first, then the draft model, or for a target without one its
+draft head. A proposer that was not used for a row in a round is told only what was committed
+(`skip`, with the round's result: a head keeps the target's hidden states from it); proposers that
+keep their own cache (the draft model, the head) catch up on every committed token the next time
+they are asked.
 
 With `draft_tree="dynamic[:N]"` every part drafts ("both", `propose_dynamic`): a row's tree is
 the union of the n-gram trie and the draft model's own dynamic tree.
@@ -25,6 +27,11 @@ class CompositeProposer(ProposerBase):
         assert proposers
         self.proposers = proposers
         self._used: dict[int, object] = {}  # request id -> proposer that drafted its last round
+        # the target's hidden states go to the parts that read them (a head), in every round
+        self._hidden = [p for p in proposers if p.wants_hidden_states]
+        self.wants_hidden_states = bool(self._hidden)
+        self.hidden_taps = self._hidden[0].hidden_taps if self._hidden else ()
+        assert len(self._hidden) <= 1, "one part reads the target's hidden states"
 
     def begin(self, req) -> None:
         for p in self.proposers:
@@ -45,6 +52,14 @@ class CompositeProposer(ProposerBase):
     def reserve(self, n_rows: int) -> None:
         for p in self.proposers:
             p.reserve(n_rows)
+
+    def observe_hidden(self, req, start: int, hidden) -> None:
+        for p in self._hidden:
+            p.observe_hidden(req, start, hidden)
+
+    def share_prefix(self, req, donor, n: int) -> None:
+        for p in self._hidden:
+            p.share_prefix(req, donor, n)
 
     # prefill: none. At a fixed k the composite's draft model may never run (the n-gram drafts
     # whenever it matches); it catches up when first asked.
@@ -122,4 +137,4 @@ class CompositeProposer(ProposerBase):
             if other is p:
                 other.accept(req, result)
             else:
-                other.skip(req)
+                other.skip(req, result)

@@ -259,7 +259,7 @@ class DraftModelProposer(ProposerBase):
         d, q, _ = draw(logits, reqs, drafted, live, self.draft_sampling, self._needs_q(reqs))
         return d, q
 
-    def skip(self, req) -> None:
+    def skip(self, req, result: RowResult) -> None:
         """A round in which another proposer drafted for this row: our drafts (if any were fed
         during a propose whose results were not used) are not history; keep committed KV only."""
         kept = self._L.get(req.row, self.cache.lengths[req.row])  # no round yet: prompt KV only

@@ -121,9 +121,9 @@ class HeadProposer(ProposerBase):
         if result.hidden is not None:
             self.observe_hidden(req, len(req.tokens) - len(result.committed) - 1, result.hidden)
 
-    def skip(self, req) -> None:
-        """Another part of a composite drafted: keep the true pairs (the features still arrive)."""
-        self.cache.length[req.row] = self._fed[req.row]
+    def skip(self, req, result: RowResult) -> None:
+        """Another part of a composite drafted: keep the true pairs, and the round's features."""
+        self.accept(req, result)
 
     def _pairs(self, req, n_keep: int = 0) -> tuple[int, torch.Tensor, list[int]] | None:
         """(first index, features [n, d], next tokens) of the row's pairs without KV yet, all

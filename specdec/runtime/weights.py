@@ -39,6 +39,10 @@ from specdec.runtime.kernels.quant import QUANT_TYPES, QuantTensor
 SUPPORTED_ARCHS = ("llama", "qwen2")
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 CONVERSION_VERSION = 2  # bump when the converted layout changes (2: finiteness checked, content key)
+# A conversion writes its fp32 weights in shards of about this many bytes (a larger tensor is a
+# shard of its own), so it holds about one shard at a time, not the whole dequantised model
+# (Qwen2.5 1.5B: 6.8 GB of fp32, twice over while one file was serialised).
+SHARD_BYTES = 512 << 20
 
 # Byte offsets of the fp16 scale fields (d, and m / dmin where the format has one) in one block:
 # everything else in a block is an integer code or an integer sub-scale.
@@ -177,8 +181,18 @@ def _gguf_tensors(path: Path, convert, keep=None) -> tuple[ModelArgs, dict]:
     then undo llama.cpp's q/k row permutation for the llama architecture (rows are independent
     in every block format, so this works on quantised rows too). keep(HF name): which tensors
     to read at all (None: every one); the others are neither converted nor checked."""
+    args, tensors = _iter_gguf_tensors(path, convert, keep)
+    return args, dict(tensors)
+
+
+def _iter_gguf_tensors(path: Path, convert, keep=None):
+    """_gguf_tensors one tensor at a time: (ModelArgs, an iterator of (HF name, tensor)), each
+    converted and checked as the iterator reaches it."""
     args, tensors = _gguf_args(_open_gguf(path), path)
-    state = {}
+    return args, _each_tensor(path, args, tensors, convert, keep)
+
+
+def _each_tensor(path: Path, args: ModelArgs, tensors: dict, convert, keep):
     for name, t in tensors.items():
         hf = _gguf_name_to_hf(name)
         if hf is None or (keep is not None and not keep(hf)):
@@ -202,20 +216,61 @@ def _gguf_tensors(path: Path, convert, keep=None) -> tuple[ModelArgs, dict]:
             heads = args.n_heads if "attn_q" in name else args.n_kv_heads
             w = (replace(w, raw=np.ascontiguousarray(_unpermute(w.raw, heads)))
                  if isinstance(w, QuantTensor) else _unpermute(w, heads))
-        state[hf] = w
-    return args, state
+        yield hf, w
+
+
+def _dequantised(name, t, shape) -> np.ndarray:
+    from gguf.quants import dequantize
+
+    return dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
+
+
+def _owned(w: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.array(w, dtype=np.float32, order="C"))  # owns its memory
 
 
 def read_gguf(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
     """Dequantise a GGUF into (ModelArgs, fp32 state dict with Hugging Face names)."""
-    from gguf.quants import dequantize
+    args, state = _gguf_tensors(path, _dequantised)
+    return args, {k: _owned(w) for k, w in state.items()}
 
-    def convert(name, t, shape):
-        return dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
 
-    args, state = _gguf_tensors(path, convert)
-    return args, {k: torch.from_numpy(np.array(w, dtype=np.float32, order="C"))  # owns its memory
-                  for k, w in state.items()}
+def write_shards(out: Path, tensors) -> list[str]:
+    """(name, fp32 array) pairs into safetensors files in `out`, about SHARD_BYTES each and
+    written as they fill (so about one shard is held at a time): one file is model.safetensors;
+    several are model-0000i-of-0000n.safetensors with the index transformers reads
+    (model.safetensors.index.json). Returns the file names."""
+    from safetensors.torch import save_file
+
+    parts: list[tuple[Path, list[str]]] = []
+    shard: dict[str, torch.Tensor] = {}
+    size = total = 0
+
+    def flush() -> None:
+        if shard:
+            part = out / f"part-{len(parts)}.safetensors.tmp"
+            save_file(shard, str(part), metadata={"format": "pt"})
+            parts.append((part, list(shard)))
+            shard.clear()
+
+    for name, w in tensors:
+        t = _owned(w)
+        if shard and size + t.nbytes > SHARD_BYTES:
+            flush()
+            size = 0
+        shard[name] = t
+        size += t.nbytes
+        total += t.nbytes
+    flush()
+    n = len(parts)
+    names = ["model.safetensors"] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    for (part, _), name in zip(parts, names):
+        part.rename(out / name)
+    if n > 1:
+        weight_map = {t: name for (_, held), name in zip(parts, names) for t in held}
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    return names
 
 
 def read_gguf_native(path: Path, keep=None) -> tuple[ModelArgs, dict]:
@@ -299,7 +354,6 @@ def convert_gguf(path: Path, progress=None, weights: bool = True) -> Path:
     if _is_file(out / "DONE"):
         return out
     from safetensors import SafetensorError
-    from safetensors.torch import save_file
 
     try:  # the temporary directory is the writability check: before the seconds of reading
         parent.mkdir(parents=True, exist_ok=True)
@@ -311,14 +365,13 @@ def convert_gguf(path: Path, progress=None, weights: bool = True) -> Path:
         if progress:
             what = path.name if weights else f"the tokenizer of {path.name}"
             progress(f"converting {what} to {out} (once)")
-        if weights:
-            args, state = read_gguf(path)
+        if weights:  # dequantised and checked tensor by tensor, as the shards are written
+            args, tensors = _iter_gguf_tensors(path, _dequantised)
         else:
-            args, state = _gguf_args(_open_gguf(path), path)[0], None
+            args = _gguf_args(_open_gguf(path), path)[0]
         try:
             if weights:
-                save_file(state, str(tmp / "model.safetensors"))
-                del state
+                write_shards(tmp, tensors)
             (tmp / "config.json").write_text(json.dumps(args.to_hf_config(), indent=1))
             _gguf_tokenizer(path, tmp)
             (tmp / "DONE").write_text(str(path.resolve()))
@@ -350,24 +403,24 @@ class LazyTensors(Mapping):
         from safetensors import safe_open
 
         self.check_finite = check_finite
-        self._where = {}  # name -> (file, handle)
-        self._handles = []
+        self._where = {}  # name -> file
         for f in files:
             try:
-                h = safe_open(str(f), framework="pt")
+                with safe_open(str(f), framework="pt") as h:
+                    self._where.update(dict.fromkeys(h.keys(), f))
             except Exception as e:
                 raise SpecdecError(f"cannot read {f}: corrupt or truncated file ({e})") from None
-            self._handles.append(h)
-            for k in h.keys():
-                self._where[k] = (f, h)
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
         try:
-            f, h = self._where[name]
+            f = self._where[name]
         except KeyError:
             raise KeyError(name) from None
-        try:
-            t = h.get_tensor(name)
+        try:  # a file opened per tensor: its mapping (pages read so far) goes with it
+            with safe_open(str(f), framework="pt") as h:
+                t = h.get_tensor(name)
         except Exception as e:
             raise SpecdecError(f"cannot read tensor {name} in {f}: corrupt or truncated file ({e})") from None
         bad = count_nonfinite(t) if self.check_finite else 0

@@ -33,7 +33,7 @@ import torch
 from specdec import rejection
 from specdec.config import MAX_SEED, SamplingParams, SpeculativeConfig
 from specdec.errors import SpecdecError, check_choice, check_float, check_int, check_text
-from specdec.loader import Models, build_engine, head_for, with_models
+from specdec.loader import Models, build_engine, drafts_with_head, head_for, with_models
 from specdec.metrics import SpecStats
 from specdec.runtime.kv_cache import KVCache
 from specdec.tools import distribution as dist
@@ -253,7 +253,7 @@ def run_verify(models: Models, s: VerifySettings, progress=None) -> dict:
     spec = SpeculativeConfig(draft=models.draft_name, num_draft_tokens=s.k, max_draft_tokens=s.max_draft_tokens,
                              draft_sampling=s.draft_sampling, proposer=s.proposer, head=s.head, ngram_min=s.ngram_min,
                              ngram_max=s.ngram_max)
-    taps = tuple(head_for(spec, models).cfg.taps) if s.proposer == "head" else ()
+    taps = tuple(head_for(spec, models).cfg.taps) if drafts_with_head(spec, models) else ()
     target = MemoModel(models.target, prompt, taps=taps)
     draft = MemoModel(models.draft, prompt) if models.draft is not None else None
     engine = build_engine(with_models(models, target, draft), spec, max_model_len=max_len, max_batch=batch)
@@ -297,6 +297,7 @@ def run_verify(models: Models, s: VerifySettings, progress=None) -> dict:
         "proposed_fraction": drafted / stats.target_forwards if stats.target_forwards else 0.0,
         "draft_tokens": stats.draft_tokens, "acceptance_rate": st["acceptance_rate"],
         "per_position_acceptance": st["per_position_acceptance"],
+        "proposers": st.get("proposers", {}),  # a composite's rounds, per part that drafted them
         "distinct_sequences": len(counts), "listed_mass": 1.0 - joint.get(dist.REST, 0.0),
         "chi_square": stat, "dof": dof, "p_value": p, "alpha": s.alpha,
         "detectable_tv": tv, "power": s.power, "impossible_samples": len(bad),

@@ -19,7 +19,7 @@ from specdec.errors import SpecdecError, check_int
 from specdec.errors import lenient_float as _float
 from specdec.errors import lenient_int as _int
 from specdec.grammar import check_constraint
-from specdec.loader import check_model_dtype, load_models
+from specdec.loader import check_model_dtype, head_path, load_models
 from specdec.runtime.hub import resolve_model
 from specdec.tools import bench
 from specdec.tools.audit import VerifySettings, format_report, run_verify
@@ -64,6 +64,8 @@ def _spec_from_flags(a, proposer: str | None, k) -> SpeculativeConfig:
                              ngram_min=a.ngram_min, ngram_max=a.ngram_max, head=a.head,
                              draft_tree=getattr(a, "draft_tree", None))
     spec.check_unused()
+    if spec.draft is None and spec.proposer in ("head", "composite"):
+        head_path(spec, str(a.model))  # a head must exist before a model is loaded for it
     if spec.proposer not in ("ngram", "head"):
         check_model_dtype("draft_dtype", spec.draft_dtype, spec.draft, "draft")
     return spec
