@@ -210,6 +210,28 @@ def test_choose_among_picks_the_better_proposer():
     assert pol.choose_among(r, 1, 8, [Candidate("ngram", 6, "ngram@1")]).k == 0
 
 
+def test_a_proposers_own_prior_is_the_starting_point():
+    """A proposer that measured its own acceptance (a head's held-out numbers) is priced from
+    there, not from PRIOR_ALPHA: a head accepting 0.55, then 0.3 past the first draft, drafts
+    k = 1 where the 0.6 prior would draft 2 (verify + draft cost 0.24 of a forward per token);
+    what the request then observes moves it as before."""
+    def cost(b, k):
+        return 1.0 + 0.24 * k
+
+    r = _Req(1)
+    own, generic = AdaptiveK(8, cost=cost, priors={"head": (0.55, 0.3)}), AdaptiveK(8, cost=cost)
+    for pol in (own, generic):
+        pol.begin(r)
+    assert own._alphas(r, "head", 3) == pytest.approx([0.55, 0.3, 0.3])
+    assert generic._alphas(r, "head", 3) == pytest.approx([0.6, 0.6, 0.6])
+    assert own.choose_among(r, 1, 8, [Candidate("head", 8)]).k == 1
+    assert generic.choose_among(r, 1, 8, [Candidate("head", 8)]).k == 2
+    assert own._alphas(r, "ngram", 2) == pytest.approx([0.6, 0.6])  # other proposers keep the default
+    for _ in range(6):
+        own.observe_round(r, 3, 3, "head")
+    assert own.choose_among(r, 1, 8, [Candidate("head", 8)]).k >= 3
+
+
 def test_first_draft_miss_does_not_condemn_the_continuation():
     """An n-gram copy either starts or not: once its first token is accepted, the rest follow.
     A request whose only round so far missed at position 1 keeps the continuation rate the

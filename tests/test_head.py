@@ -262,6 +262,21 @@ def test_head_flags_are_checked():
         build_engine(Models(tiny_model(**KW), None, None, 4, "nope", None), SpeculativeConfig(proposer="head", num_draft_tokens=2))
 
 
+def test_held_out_acceptance_is_adaptive_ks_prior(tiny):
+    """A head's held-out acceptance (head.json) becomes adaptive k's starting point for it:
+    (first draft, later drafts), each set weighted by its rounds."""
+    held = {"chat": {"rounds": 100, "acceptance_at": [0.3, 0.2, 0.4]},
+            "code": {"rounds": 300, "acceptance_at": [0.7, 0.5, 0.5]}}
+    assert head_proposer.held_out_prior(held) == pytest.approx((0.6, (100 * 0.6 + 300 * 1.0) / 800))
+    assert head_proposer.held_out_prior({}) is None
+    target, head = tiny
+    head = copy.deepcopy(head)
+    head.cfg.held_out = held
+    for build in (head_engine, composite_engine):
+        assert build(target, head, "auto").policy.priors == {"head": pytest.approx(head_proposer.held_out_prior(held))}
+    assert head_engine(target, tiny[1], "auto").policy.priors == {}  # no held-out numbers: the default
+
+
 # ---- exactness -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("k, draft_sampling", [(1, "probabilistic"), (2, "probabilistic"),

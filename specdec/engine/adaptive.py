@@ -150,8 +150,12 @@ class AdaptiveK:
     # draft model's prompt is left to catch-up (priced, maybe never paid) instead of prefilled
 
     def __init__(self, k_max: int, cost=None, free_sources: set[str] = frozenset(),
-                 width: Callable[[int], int] | None = None):
+                 width: Callable[[int], int] | None = None, priors: dict[str, tuple[float, float]] | None = None):
         self.k_max = k_max
+        # per proposer, (first draft, later drafts) acceptance to start from instead of PRIOR_ALPHA:
+        # what the proposer measured itself (a head's held-out acceptance, head.json); without it
+        # positions never tried stay at 0.6 and a head that pays at k = 1 keeps trying k = 2
+        self.priors = dict(priors or {})
         self.cost = cost
         # tokens a row verifies in a round of depth k: k + 1 for a chain; a draft tree's nodes
         # + 1 (its verify forward is that wide, whatever the depth)
@@ -217,7 +221,8 @@ class AdaptiveK:
         # composite's useless 1-token n-gram matches must not condemn its draft model unseen)
         pool = self.pool.get(key) or NOTHING_SEEN
         own = self.state[req.id].get(key) or NOTHING_SEEN
-        pool_all = pool.rate(PRIOR_ALPHA)
+        first, later = self.priors.get(source, (PRIOR_ALPHA, PRIOR_ALPHA))
+        pool_all = pool.rate(first)
         # The first draft is the gamble; once it is accepted the next ones are a continuation
         # (an n-gram copy that has started goes on far more often than it starts), so
         # positions 2.. are shrunk toward a continuation rate, not toward one dragged down by
@@ -228,7 +233,7 @@ class AdaptiveK:
         # request's other copies showed that continuations are accepted whole.
         src_pool = self.pool.get(source) or NOTHING_SEEN
         src_own = self.state[req.id].get(source) or NOTHING_SEEN
-        tail = src_own.rate(src_pool.rate(PRIOR_ALPHA, start=1), start=1)
+        tail = src_own.rate(src_pool.rate(later, start=1), start=1)
         if key != source:
             tail = own.rate(tail, start=1)
         return own.alphas(k, [own.rate(pool_all)] + [tail] * (k - 1))
@@ -467,9 +472,10 @@ class AdaptiveK:
 
 
 def k_policy(num_draft_tokens: int | str, max_draft_tokens: int, cost=None,
-             free_sources: set[str] = frozenset(), width: Callable[[int], int] | None = None) -> KPolicy:
+             free_sources: set[str] = frozenset(), width: Callable[[int], int] | None = None,
+             priors: dict[str, tuple[float, float]] | None = None) -> KPolicy:
     """FixedK for an int, AdaptiveK(max_draft_tokens) for "auto" (width: tokens verified per row
-    at depth k, for draft trees)."""
+    at depth k, for draft trees; priors: AdaptiveK's)."""
     if num_draft_tokens == "auto":
-        return AdaptiveK(max_draft_tokens, cost, free_sources, width)
+        return AdaptiveK(max_draft_tokens, cost, free_sources, width, priors)
     return FixedK(int(num_draft_tokens))

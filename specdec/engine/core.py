@@ -60,10 +60,12 @@ class Engine(Rows):
         # a proposer that reads the target's hidden states (a draft head) is told them every round
         self.hidden_to = proposer if proposer is not None and proposer.wants_hidden_states else None
         self.taps = tuple(self.hidden_to.hidden_taps) if self.hidden_to is not None else ()  # its layers
-        free = {p.name for p in proposer.parts() if not p.runs_a_model} if proposer is not None else set()
+        parts = proposer.parts() if proposer is not None else []
         self.policy = k_policy(num_draft_tokens if proposer is not None else 0,
-                               trees.depth_cap(draft_tree, max_draft_tokens), k_cost, free_sources=free,
-                               width=trees.verify_width(draft_tree))
+                               trees.depth_cap(draft_tree, max_draft_tokens), k_cost,
+                               free_sources={p.name for p in parts if not p.runs_a_model},
+                               width=trees.verify_width(draft_tree),
+                               priors={p.name: p.acceptance_prior for p in parts if p.acceptance_prior})
         # The real vocabulary: ids past it are embedding-table padding and never sampled.
         self.V = vocab_size or min(model.args.vocab_size, tokenizer.vocab_size)
         self.max_seq_len = min(max_seq_len or model.args.max_seq_len, model.args.max_seq_len)

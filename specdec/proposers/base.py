@@ -28,6 +28,9 @@ class Proposer(Protocol):
     runs_a_model: bool  # False: drafting is nearly free (adaptive k's cost prior)
     wants_hidden_states: bool  # True: `accept` gets the target's hidden states (RowResult.hidden)
     hidden_taps: tuple[int, ...]  # with them, the residual streams after these target layers
+    # (first draft, later drafts) acceptance the proposer measured itself (a head's held-out
+    # acceptance): adaptive k's starting point for it; None: the policy's own prior
+    acceptance_prior: tuple[float, float] | None
 
     def parts(self) -> list["Proposer"]:
         """The proposers it is made of (itself, unless it is a composite)."""
@@ -99,6 +102,7 @@ class ProposerBase:
     runs_a_model = True
     wants_hidden_states = False
     hidden_taps: tuple[int, ...] = ()  # target layers whose residual streams come with them
+    acceptance_prior: tuple[float, float] | None = None
 
     def parts(self) -> list[Proposer]:
         return [self]

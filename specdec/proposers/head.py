@@ -32,6 +32,18 @@ from specdec.runtime.kv_cache import common_prefix
 from specdec.tree import ancestor_mask, children, depths, tree_ok
 
 
+def held_out_prior(held_out: dict) -> tuple[float, float] | None:
+    """(first draft, later drafts) acceptance over a head's held-out sets (head.json: greedy,
+    conditional per position), weighted by their rounds; None if it has none."""
+    sets = [s for s in held_out.values() if s.get("rounds") and s.get("acceptance_at")]
+    if not sets:
+        return None
+    first = sum(s["rounds"] * s["acceptance_at"][0] for s in sets) / sum(s["rounds"] for s in sets)
+    later = [(s["rounds"], a) for s in sets for a in s["acceptance_at"][1:]]
+    tail = sum(r * a for r, a in later) / sum(r for r, _ in later) if later else first
+    return first, tail
+
+
 class HeadProposer(ProposerBase):
     name = "head"
     wants_hidden_states = True
@@ -40,6 +52,7 @@ class HeadProposer(ProposerBase):
                  draft_sampling: str = "probabilistic", headroom: int = 33):
         self.head = head.prepare()  # (idempotent: a cached head is shared by engines)
         self.hidden_taps = tuple(head.cfg.taps)  # the target's features: these layers' streams, then f_j
+        self.acceptance_prior = held_out_prior(head.cfg.held_out)
         self.F = head.cfg.feature_dim
         self.V = vocab_size  # the real (tokenizer) vocabulary
         self.ids = head.vocab[head.vocab < vocab_size]  # draft ids inside it

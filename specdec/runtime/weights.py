@@ -267,7 +267,7 @@ def write_shards(out: Path, tensors) -> list[str]:
     for (part, _), name in zip(parts, names):
         part.rename(out / name)
     if n > 1:
-        weight_map = {t: name for (_, held), name in zip(parts, names) for t in held}
+        weight_map = {key: name for (_, held), name in zip(parts, names) for key in held}
         (out / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     return names
