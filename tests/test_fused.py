@@ -215,3 +215,50 @@ def test_attend_grouped_equals_per_query(data):
     per_query = fused.attend(_plan(True, positions, rows, causal, cos, sin), qkv, k2, v2, H, Hkv)
     assert torch.equal(k1, k2) and torch.equal(v1, v2)
     assert torch.equal(grouped, per_query)
+
+
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+
+
+@pytest.mark.parametrize("T,group,D,history", [(37, 6, 128, 90), (5, 7, 64, 200), (64, 3, 64, 0), (13, 6, 16, 31)])
+def test_attend_avx512_tile_equals_the_256_bit_tile(T, group, D, history):
+    """On AVX-512 the grouped path runs tiles of 12 queries with two keys per zmm (scores) and 16
+    output lanes per zmm; each lane's arithmetic is the 256-bit tile's, so the bits are the same:
+    against SPECDEC_KERNEL=avx2 (the 256-bit tile of 6) and against the per-query loop (an explicit
+    causal mask), on prompt-like shapes (T new tokens after a history, partial last tiles).
+    Negative control: one history key perturbed by 0.01 must change the output of every query of
+    its KV head's query heads and of no other head."""
+    ext = fused.build()
+    if ext is None:
+        pytest.skip("no fused extension on this CPU")
+    wide = {"avx512f", "avx512dq", "avx512vl"} <= _cpu_flags()
+    assert ext.attend_tile_queries() == (12 if wide else 6)
+    with _kernel_env("avx2"):
+        assert ext.attend_tile_queries() == 6
+    if not wide:
+        pytest.skip("this CPU has no AVX-512: the 256-bit tile is the only one (tested above)")
+    g = torch.Generator().manual_seed(T * 1000 + D)
+    Hkv, cap = 2, history + T + 8
+    H = Hkv * group
+    qkv = torch.randn(1, T, (H + 2 * Hkv) * D, generator=g)
+    kc = torch.randn(1, Hkv, cap, D, generator=g)
+    vc = torch.randn(1, Hkv, cap, D, generator=g)
+    cos, sin = rope_tables(D, cap, 10000.0)
+    positions = torch.arange(history, history + T)[None]
+    causal = torch.ones(T, T, dtype=torch.bool).tril()[None]
+
+    def run(kernel, mask=None, k=kc):
+        kk, vv = k.clone(), vc.clone()
+        with _kernel_env(kernel):
+            return fused.attend(_plan(True, positions, None, mask, cos, sin), qkv, kk, vv, H, Hkv)
+
+    wide_out = run("auto")
+    assert torch.equal(wide_out, run("avx2"))
+    assert torch.equal(wide_out, run("auto", causal))
+    if history:
+        k2 = kc.clone()
+        k2[0, 1, history - 1, 0] += 0.01  # a history key of KV head 1: every query of its heads sees it
+        moved = run("auto", k=k2).view(T, H, D) != wide_out.view(T, H, D)
+        assert moved[:, group:].any(dim=-1).all() and not moved[:, :group].any()

@@ -31,8 +31,12 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -109,6 +113,48 @@ inline void rope_rot(const float* x, const float* c, const float* s, float* y, i
   }
 }
 
+// The shortest and longest history of a tile's queries.
+inline void tile_span(int nt, const int64_t* n, int64_t& nmin, int64_t& nmax) {
+  nmin = nmax = n[0];
+  for (int i = 1; i < nt; ++i) nmin = std::min(nmin, n[i]), nmax = std::max(nmax, n[i]);
+}
+
+// The key and value rows 8 slots past the pair at j, into L1 (the first tile of a head meets
+// them in DRAM: the cache of all layers is larger than L3's share).
+inline void prefetch_rows(const float* kb, int64_t ks, const float* vb, int64_t vs, int64_t j, int64_t nmax, int64_t D) {
+  for (int64_t r = j + 8; r < std::min(j + 10, nmax); ++r)
+    for (int64_t d = 0; d < D; d += 16) {
+      _mm_prefetch(reinterpret_cast<const char*>(kb + r * ks + d), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(vb + r * vs + d), _MM_HINT_T0);
+    }
+}
+
+// A query tile's softmax, per query over its own n[i] scores sc[i * n8 ..] -> e[i * n8 ..] (the
+// weights before normalisation) and inv[i] = 1 / their sum; with a draft tree's vis, each query's
+// visible scores are first gathered into its own order (vis[i][u] >= u: the reads stay ahead).
+inline void tile_softmax(int nt, const int64_t* n, float* sc, float* e, int64_t n8, float* inv,
+                         const int32_t* const* vis, int64_t shared) {
+  if (vis)
+    for (int i = 0; i < nt; ++i)
+      for (int64_t u = shared; u < n[i]; ++u) sc[i * n8 + u] = sc[i * n8 + vis[i][u]];
+  for (int i = 0; i < nt; ++i) {
+    float* si = sc + i * n8;
+    float* ei = e + i * n8;
+    const int64_t ni = n[i], ni8 = (ni + 7) / 8 * 8;
+    float m = -INFINITY;
+    for (int64_t j = 0; j < ni; ++j) m = std::max(m, si[j]);
+    for (int64_t j = ni; j < ni8; ++j) si[j] = -INFINITY;
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 lv = _mm256_setzero_ps();
+    for (int64_t j = 0; j < ni8; j += 8) {
+      const __m256 ev = exp8(_mm256_sub_ps(_mm256_loadu_ps(si + j), mv));
+      _mm256_storeu_ps(ei + j, ev);
+      lv = _mm256_add_ps(lv, ev);
+    }
+    inv[i] = 1.0f / hsum(lv);
+  }
+}
+
 // Causal attention (no mask) of a tile of NT queries that share one KV head: query i sees slots
 // 0 .. n[i]-1.  Per query the arithmetic is attend's per-query loop, operation for operation: each
 // score is one FMA chain over d (8 lanes) then hsum, times scale; the softmax over the query's own
@@ -131,8 +177,8 @@ template <int NT>
 void attend_tile(const float* q, const int64_t* n, int64_t D, const float* kb, int64_t ks, const float* vb,
                  int64_t vs, float scale, float* sc, float* e, int64_t n8, float* const* out,
                  const int32_t* const* vis = nullptr, int64_t shared = 0, int64_t top = 0) {
-  int64_t nmin = n[0], nmax = n[0];
-  for (int i = 1; i < NT; ++i) nmin = std::min(nmin, n[i]), nmax = std::max(nmax, n[i]);
+  int64_t nmin, nmax;
+  tile_span(NT, n, nmin, nmax);
   if (vis) nmin = shared, nmax = top;  // (scores for slots 0 .. top-1; shared read by every query)
   // scores, two keys per pass over d (2 x NT independent FMA chains); a key past a query's own
   // n is scored but never read.  The rows 8 slots on are prefetched, values too (the first tile
@@ -141,11 +187,7 @@ void attend_tile(const float* q, const int64_t* n, int64_t D, const float* kb, i
     const bool two = j + 1 < nmax;
     const float* k0 = kb + j * ks;
     const float* k1 = kb + (two ? j + 1 : j) * ks;
-    for (int64_t r = j + 8; r < std::min(j + 10, nmax); ++r)
-      for (int64_t d = 0; d < D; d += 16) {
-        _mm_prefetch(reinterpret_cast<const char*>(kb + r * ks + d), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(vb + r * vs + d), _MM_HINT_T0);
-      }
+    prefetch_rows(kb, ks, vb, vs, j, nmax, D);
     __m256 a0[NT], a1[NT];
 #pragma GCC unroll 8
     for (int i = 0; i < NT; ++i) a0[i] = a1[i] = _mm256_setzero_ps();
@@ -164,26 +206,8 @@ void attend_tile(const float* q, const int64_t* n, int64_t D, const float* kb, i
       if (two) sc[i * n8 + j + 1] = hsum(a1[i]) * scale;
     }
   }
-  if (vis)  // each query's visible scores in its own order (vis[i][u] >= u: reads stay ahead)
-    for (int i = 0; i < NT; ++i)
-      for (int64_t u = shared; u < n[i]; ++u) sc[i * n8 + u] = sc[i * n8 + vis[i][u]];
   float inv[NT];
-  for (int i = 0; i < NT; ++i) {  // softmax over the query's own slots
-    float* si = sc + i * n8;
-    float* ei = e + i * n8;
-    const int64_t ni = n[i], ni8 = (ni + 7) / 8 * 8;
-    float m = -INFINITY;
-    for (int64_t j = 0; j < ni; ++j) m = std::max(m, si[j]);
-    for (int64_t j = ni; j < ni8; ++j) si[j] = -INFINITY;
-    const __m256 mv = _mm256_set1_ps(m);
-    __m256 lv = _mm256_setzero_ps();
-    for (int64_t j = 0; j < ni8; j += 8) {
-      const __m256 ev = exp8(_mm256_sub_ps(_mm256_loadu_ps(si + j), mv));
-      _mm256_storeu_ps(ei + j, ev);
-      lv = _mm256_add_ps(lv, ev);
-    }
-    inv[i] = 1.0f / hsum(lv);
-  }
+  tile_softmax(NT, n, sc, e, n8, inv, vis, shared);
   // outputs, 16 lanes of every query per pass over the slots: the shared slots for all, then
   // each query's own tail
   for (int64_t c = 0; c < D; c += 16) {
@@ -214,6 +238,85 @@ void attend_tile(const float* q, const int64_t* n, int64_t D, const float* kb, i
       if (w2) _mm256_storeu_ps(out[i] + c + 8, _mm256_mul_ps(acc1[i], sv));
     }
   }
+}
+
+// The same tile on AVX-512 (D a multiple of 16), up to kWideTile queries: the same arithmetic per
+// lane, so the same bits.  The score pass runs two keys in one zmm, key j in lanes 0-7 and key
+// j + 1 in lanes 8-15, against the query's 8 lanes broadcast to both halves: each half is the
+// 256-bit routine's chain for its key, and its hsum the same 8-lane sum.  The output pass keeps
+// 16 output lanes of a query in one zmm (the 256-bit routine's acc0, acc1 side by side).  With
+// 32 registers a tile holds twice the queries (12 against 6: two positions of a Qwen 1.5B KV
+// head's 6 query heads), so each key and value row is read once per 12 queries: in a long
+// prompt those rows come from L3 (a KV head's 2,048 slots are 2 MiB), and their reads, not the
+// FMAs, were most of the attention time.
+constexpr int kWideTile = 12;
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512dq,avx512vl,avx2,fma")
+template <int NT>
+void attend_tile512(const float* q, const int64_t* n, int64_t D, const float* kb, int64_t ks, const float* vb,
+                    int64_t vs, float scale, float* sc, float* e, int64_t n8, float* const* out,
+                    const int32_t* const* vis, int64_t shared, int64_t top) {
+  int64_t nmin, nmax;
+  tile_span(NT, n, nmin, nmax);
+  if (vis) nmin = shared, nmax = top;
+  for (int64_t j = 0; j < nmax; j += 2) {
+    const bool two = j + 1 < nmax;
+    const float* k0 = kb + j * ks;
+    const float* k1 = kb + (two ? j + 1 : j) * ks;
+    prefetch_rows(kb, ks, vb, vs, j, nmax, D);
+    __m512 a[NT];
+#pragma GCC unroll 16
+    for (int i = 0; i < NT; ++i) a[i] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m512 kv = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(k0 + d)), _mm256_loadu_ps(k1 + d), 1);
+#pragma GCC unroll 16
+      for (int i = 0; i < NT; ++i)
+        a[i] = _mm512_fmadd_ps(_mm512_broadcast_f32x8(_mm256_loadu_ps(q + i * D + d)), kv, a[i]);
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < NT; ++i) {
+      sc[i * n8 + j] = hsum(_mm512_castps512_ps256(a[i])) * scale;
+      if (two) sc[i * n8 + j + 1] = hsum(_mm512_extractf32x8_ps(a[i], 1)) * scale;
+    }
+  }
+  float inv[NT];
+  tile_softmax(NT, n, sc, e, n8, inv, vis, shared);
+  for (int64_t c = 0; c < D; c += 16) {
+    __m512 acc[NT];
+#pragma GCC unroll 16
+    for (int i = 0; i < NT; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < nmin; ++j) {
+      const __m512 v = _mm512_loadu_ps(vb + j * vs + c);
+#pragma GCC unroll 16
+      for (int i = 0; i < NT; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(e[i * n8 + j]), v, acc[i]);
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < NT; ++i) {
+      for (int64_t j = nmin; j < n[i]; ++j)
+        acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(e[i * n8 + j]), _mm512_loadu_ps(vb + (vis ? vis[i][j] : j) * vs + c), acc[i]);
+      _mm512_storeu_ps(out[i] + c, _mm512_mul_ps(acc[i], _mm512_set1_ps(inv[i])));
+    }
+  }
+}
+#pragma GCC pop_options
+
+using TileFn = void (*)(const float*, const int64_t*, int64_t, const float*, int64_t, const float*, int64_t, float,
+                        float*, float*, int64_t, float* const*, const int32_t* const*, int64_t, int64_t);
+
+template <int... I>
+constexpr std::array<TileFn, sizeof...(I)> wide_tiles(std::integer_sequence<int, I...>) {
+  return {&attend_tile512<I + 1>...};
+}
+constexpr auto kWideTiles = wide_tiles(std::make_integer_sequence<int, kWideTile>{});
+
+// The AVX-512 tile where the CPU has AVX-512 F/DQ/VL, unless SPECDEC_KERNEL=avx2 (A/B runs):
+// read per call, like the matmuls' setting.
+bool wide_attention() {
+  static const bool cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+                          __builtin_cpu_supports("avx512vl");
+  const char* k = std::getenv("SPECDEC_KERNEL");
+  return cpu && !(k != nullptr && std::strcmp(k, "avx2") == 0);
 }
 
 }  // namespace
@@ -381,7 +484,10 @@ torch::Tensor attend(const torch::Tensor& qkv, const torch::Tensor& positions, c
       seen_by_all = seen_by_all && std::any_of(mp + (b * T + t) * T, mp + (b * T + t + 1) * T, [](bool v) { return v; });
   const bool grouped = seen_by_all && D % 8 == 0 && D <= 128;
   // grouped: the T x group queries of a KV head, t-major, in tiles of NQ; one tile per work item
-  constexpr int NQ = 6;
+  // (NQ = 6 on the 256-bit tile, kWideTile on the AVX-512 one)
+  const bool wide = grouped && D % 16 == 0 && wide_attention();
+  constexpr int NQMAX = kWideTile;
+  const int NQ = wide ? kWideTile : 6;
   const int64_t nqh = T * group, tiles = (nqh + NQ - 1) / NQ, items = B * Hkv * tiles;
 #pragma omp parallel num_threads(nt) if (nt > 1 && work > 1)
   {
@@ -401,17 +507,17 @@ torch::Tensor attend(const torch::Tensor& qkv, const torch::Tensor& positions, c
       // head's keys and values come from DRAM once and from its own L2 for the later tiles
       // (dynamic handed both threads tiles of the same head: 3.65 ms against 3.00 at T = 5).
       // No query's arithmetic depends on its tile or thread.
-      std::vector<float> qt(NQ * D);
-      std::vector<int32_t> vl[NQ];  // with a mask: each query's visible slots
-      const int32_t* vis[NQ];
+      std::vector<float> qt(NQMAX * D);
+      std::vector<int32_t> vl[NQMAX];  // with a mask: each query's visible slots
+      const int32_t* vis[NQMAX];
 #pragma omp for schedule(static)
       for (int64_t it = 0; it < items; ++it) {
         const int64_t b = it / (Hkv * tiles), kh = it / tiles % Hkv, q0 = it % tiles * NQ;
         const float* kb = kp + row[b] * ks0 + kh * ks1;
         const float* vb = vp + row[b] * vs0 + kh * vs1;
         const int tile = static_cast<int>(std::min<int64_t>(NQ, nqh - q0));
-        int64_t n[NQ], nmax = 0, p0 = has_mask ? sl[b * T] : 0, top = p0;
-        float* orow[NQ];
+        int64_t n[NQMAX], nmax = 0, p0 = has_mask ? sl[b * T] : 0, top = p0;
+        float* orow[NQMAX];
         for (int i = 0; i < tile; ++i) {
           const int64_t t = (q0 + i) / group, h = kh * group + (q0 + i) % group, bt = b * T + t, p = pos[bt];
           n[i] = p + 1;
@@ -434,6 +540,10 @@ torch::Tensor attend(const torch::Tensor& qkv, const torch::Tensor& positions, c
         sc.resize(NQ * n8);
         e.resize(NQ * n8);
         const int32_t* const* v = has_mask ? vis : nullptr;
+        if (wide) {
+          kWideTiles[tile - 1](qt.data(), n, D, kb, ks2, vb, vs2, scale, sc.data(), e.data(), n8, orow, v, p0, top);
+          continue;
+        }
         switch (tile) {
           case 1: attend_tile<1>(qt.data(), n, D, kb, ks2, vb, vs2, scale, sc.data(), e.data(), n8, orow, v, p0, top); break;
           case 2: attend_tile<2>(qt.data(), n, D, kb, ks2, vb, vs2, scale, sc.data(), e.data(), n8, orow, v, p0, top); break;
@@ -549,4 +659,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "x += d; rms_norm(x) * w");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("attend", &attend, "RoPE, KV cache write and attention for a few query rows");
+  m.def("attend_tile_queries", [] { return wide_attention() ? kWideTile : 6; },
+        "queries per tile of the grouped attention path: 12 on AVX-512 (unless SPECDEC_KERNEL=avx2), 6 otherwise");
 }

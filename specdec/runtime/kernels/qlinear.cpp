@@ -192,8 +192,9 @@ struct Act {
   // per 16-k sub-block [M, K/16] (the AVX2 Q6_K offset, see i16_steps): cq = the int16 pair
   // 32 * (sum of xq at k = 0, 1 mod 4, at k = 2, 3 mod 4), each |.| <= 32 * 8 * 127 = 32512.
   const int32_t* cq;
-  // AMX K-quants [Mp, K] (see amx::split): A' = xq8 << sh, exact in int16, as 16 * ah + al with
-  // ah in [-64, 63], al in [0, 15].  Only where a Q4_K or Q6_K segment runs on AMX.
+  // AMX K-quants, Mp * K bytes each, tile-major (see amx::split): A' = xq8 << sh, exact in int16,
+  // as 16 * ah + al with ah in [-64, 63], al in [0, 15].  Only where a Q4_K or Q6_K segment runs
+  // on AMX.  (A row block's pointer m0 * K is its first tile's block: m0 is a multiple of 16.)
   const int8_t* ah;
   const uint8_t* al;
   // Row groups of <= MR rows, near-equal sizes (16 -> 4+4+4+4 on AVX2, 8+8 on AVX-512;
@@ -634,16 +635,20 @@ inline void finish_row(const int32_t* ib, const Rec<F, true>& rs, const Act& a, 
 
 // The K-quants' activations for folded tile products: 256-blocks u0 .. u1-1 of xq8 (row-major, as
 // quantise_rows<256>) -> A' = xq8 << sh (|A'| <= 127 * 8, exact in int16) as ah = A' >> 4
-// (arithmetic) and al = A' & 15, so A' = 16 * ah + al, each a byte.
+// (arithmetic) and al = A' & 15, so A' = 16 * ah + al, each a byte.  ah and al are tile-major:
+// a 1 KiB block per 16 rows x 64 k (row r at byte 64 r), a row tile's blocks in k order, so a
+// tile load reads one contiguous KiB.
 void split(const int8_t* xq8, const int32_t* sh, int64_t K, int64_t u0, int64_t u1, int8_t* ah, uint8_t* al) {
   for (int64_t u = u0; u < u1; ++u) {
     const int64_t m = u / (K / 256), b = u % (K / 256);
     for (int c = 0; c < 8; ++c) {
-      const int64_t o = m * K + b * 256 + 32 * c;
+      const int64_t o = m * K + b * 256 + 32 * c, k = b * 256 + 32 * c;
+      // tile-major: 16 rows x 64 k per 1 KiB block, blocks of a row tile in k order
+      const int64_t t = ((m / 16) * (K / 64) + k / 64) * 1024 + (m % 16) * 64 + k % 64;
       const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq8 + o)));
       const __m512i a = _mm512_sllv_epi16(v, _mm512_set1_epi16(static_cast<int16_t>(sh[o / 32])));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(ah + o), _mm512_cvtepi16_epi8(_mm512_srai_epi16(a, 4)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(al + o),
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(ah + t), _mm512_cvtepi16_epi8(_mm512_srai_epi16(a, 4)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(al + t),
                           _mm512_cvtepi16_epi8(_mm512_and_si512(a, _mm512_set1_epi16(15))));
     }
   }
@@ -659,8 +664,18 @@ void split(const int8_t* xq8, const int32_t* sh, int64_t K, int64_t u0, int64_t 
 //   C = (ah.wh << 10) + (al.wh << 6) + (ah.wl << 4) + al.wl,
 // exact in int32 (|ah.wh| <= 256 * 64 * 64 = 2^20, so << 10 <= 2^30, and the four terms sum to
 // less than 2^31 in magnitude).  Each row's epilogue is then the record's fp32 steps only (Q4_K's
-// min term as in the narrow routine), no per-sub-block operations.
-// Tiles: 0 ah, 1 al (16 rows x 64 k), 2 wh, 3 wl (16 k-steps x 64 bytes), 4-7 the products.
+// min term as in the narrow routine), no per-sub-block operations.  Q4_K's wh <= 14 leaves
+// 16 wh a byte, so its first two terms are one tile's sum, ah.(16 wh) + al.wh = A'.wh, and
+//   C = (A'.wh << 6) + (ah.wl << 4) + al.wl
+// takes three product tiles (one store and two vector operations per row fewer).
+// Tiles: Q6_K 0 ah, 1 al (16 rows x 64 k), 2 wh, 3 wl (16 k-steps x 64 bytes), 4-7 the products;
+// Q4_K 0 ah, 1 al, 2 16 wh, 3 wh, 4 wl, 5-7 the products.
+//   Where the time goes (Intel AMX host, 2 threads, Qwen 1.5B shapes): a tile product and vector
+// work do not overlap here (16 products then 200 independent vector operations take the sum of
+// their times, whichever ports the vector operations use), so the per-row epilogue and the
+// decode add to the products' time; and the A tiles are read in 1 KiB blocks (split writes them
+// tile-major) with each record's next one prefetched a line per k-step: against A read at a
+// stride of K and the next record prefetched in one burst, 0.75-0.9x the time of a call.
 template <int F>
 void panel_folded(const uint8_t* p, int64_t nrec, const Act& a, int64_t M, float* acc) {
   static_assert(F == Q4_K || F == Q6_K, "the K-quants' activations are split");
@@ -668,12 +683,11 @@ void panel_folded(const uint8_t* p, int64_t nrec, const Act& a, int64_t M, float
   configure(64);
   std::memset(acc, 0, sizeof(float) * M * NR);
   Rec<F, true> rs;
-  alignas(64) uint8_t wh[64 * 64], wl[64 * 64];  // [k-step][16 outputs x 4 k]
+  alignas(64) uint8_t wh[64 * 64], wl[64 * 64], wh16[F == Q4_K ? 64 * 64 : 64];  // [k-step][16 outputs x 4 k]
   alignas(64) int32_t ib[4 * TM * NR];
   const int64_t K = a.K, tiles = (M + TM - 1) / TM;
   for (int64_t rec = 0; rec < nrec; ++rec) {
     const uint8_t* s = p + rec * rb;
-    for (int off = 0; off < rb; off += 64) _mm_prefetch(reinterpret_cast<const char*>(s + rb + off), _MM_HINT_T0);
     rs.load(s);
     const uint8_t* lo = s + Traits<F>::sbytes;
     const uint8_t* hi = lo + lo_bytes<F>();
@@ -684,6 +698,9 @@ void panel_folded(const uint8_t* p, int64_t nrec, const Act& a, int64_t M, float
       const __m512i sc = _mm512_or_si512(_mm512_and_si512(sc32, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(sc32, 16));
 #pragma GCC unroll 8
       for (int t = spsub * j; t < spsub * (j + 1); ++t) {
+        // the next record, a line per k-step (a burst of its ~40-50 lines stalled on the fill
+        // buffers: ~10% of the time at 40 rows)
+        if (64 * t < rb) _mm_prefetch(reinterpret_cast<const char*>(s + rb + 64 * t), _MM_HINT_T0);
         const __m512i q = avx512::decode<F>(lo, hi, t);  // codes, one byte each
         __m512i qe = _mm512_and_si512(q, m8), qo = _mm512_srli_epi16(q, 8);
         if constexpr (F == Q6_K) {
@@ -692,51 +709,71 @@ void panel_folded(const uint8_t* p, int64_t nrec, const Act& a, int64_t M, float
         }
         const __m512i we = _mm512_mullo_epi16(qe, sc), wo = _mm512_mullo_epi16(qo, sc);  // W', exact in int16
         _mm512_store_si512(wl + 64 * t, _mm512_or_si512(_mm512_and_si512(we, m6), _mm512_slli_epi16(_mm512_and_si512(wo, m6), 8)));
-        _mm512_store_si512(wh + 64 * t, _mm512_or_si512(_mm512_and_si512(_mm512_srai_epi16(we, 6), m8),
-                                                        _mm512_slli_epi16(_mm512_srai_epi16(wo, 6), 8)));
+        const __m512i h = _mm512_or_si512(_mm512_and_si512(_mm512_srai_epi16(we, 6), m8), _mm512_slli_epi16(_mm512_srai_epi16(wo, 6), 8));
+        _mm512_store_si512(wh + 64 * t, h);
+        if constexpr (F == Q4_K) _mm512_store_si512(wh16 + 64 * t, _mm512_slli_epi16(h, 4));  // 16 wh <= 224: still a byte
       }
     }
     const int64_t k0 = rec * 256;
     for (int64_t ti = 0; ti < tiles; ++ti) {
       const int64_t r0 = ti * TM;
-      _tile_zero(4);
-      _tile_zero(5);
-      _tile_zero(6);
-      _tile_zero(7);
+      auto load_a = [&](int c) {  // row tile ti's ah, al over the record's 64 k block c (1 KiB each)
+        const int64_t blk = (ti * (K / 64) + k0 / 64 + c) * 1024;
+        _tile_loadd(0, a.ah + blk, 64);
+        _tile_loadd(1, a.al + blk, 64);
+      };
+      if constexpr (F == Q4_K) {  // tiles 0 ah, 1 al, 2 16 wh, 3 wh, 4 wl; 5 C1, 6 C2, 7 C3
+        _tile_zero(5);
+        _tile_zero(6);
+        _tile_zero(7);
 #pragma GCC unroll 4
-      for (int c = 0; c < 4; ++c) {
-        _tile_loadd(0, a.ah + r0 * K + k0 + 64 * c, K);
-        _tile_loadd(1, a.al + r0 * K + k0 + 64 * c, K);
-        _tile_loadd(2, wh + 16 * 64 * c, 64);
-        _tile_loadd(3, wl + 16 * 64 * c, 64);
-        if constexpr (F == Q6_K) {  // wh signed
+        for (int c = 0; c < 4; ++c) {
+          load_a(c);
+          _tile_loadd(2, wh16 + 16 * 64 * c, 64);
+          _tile_loadd(3, wh + 16 * 64 * c, 64);
+          _tile_loadd(4, wl + 16 * 64 * c, 64);
+          _tile_dpbsud(5, 0, 2);
+          _tile_dpbuud(5, 1, 3);
+          _tile_dpbsud(6, 0, 4);
+          _tile_dpbuud(7, 1, 4);
+        }
+        _tile_stored(5, ib, 64);
+        _tile_stored(6, ib + TM * NR, 64);
+        _tile_stored(7, ib + 2 * TM * NR, 64);
+      } else {  // Q6_K: tiles 0 ah, 1 al, 2 wh (signed), 3 wl; 4-7 the four products
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_zero(6);
+        _tile_zero(7);
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) {
+          load_a(c);
+          _tile_loadd(2, wh + 16 * 64 * c, 64);
+          _tile_loadd(3, wl + 16 * 64 * c, 64);
           _tile_dpbssd(4, 0, 2);
           _tile_dpbusd(5, 1, 2);
-        } else {
-          _tile_dpbsud(4, 0, 2);
-          _tile_dpbuud(5, 1, 2);
+          _tile_dpbsud(6, 0, 3);
+          _tile_dpbuud(7, 1, 3);
         }
-        _tile_dpbsud(6, 0, 3);
-        _tile_dpbuud(7, 1, 3);
+        _tile_stored(4, ib, 64);
+        _tile_stored(5, ib + TM * NR, 64);
+        _tile_stored(6, ib + 2 * TM * NR, 64);
+        _tile_stored(7, ib + 3 * TM * NR, 64);
       }
-      _tile_stored(4, ib, 64);
-      _tile_stored(5, ib + TM * NR, 64);
-      _tile_stored(6, ib + 2 * TM * NR, 64);
-      _tile_stored(7, ib + 3 * TM * NR, 64);
       const int rows = static_cast<int>(std::min<int64_t>(TM, M - r0));
       for (int r = 0; r < rows; ++r) {
         const int64_t m = r0 + r;
         auto ld = [&](int i) { return _mm512_load_si512(ib + i * TM * NR + r * NR); };
-        const __m512i cv = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(ld(0), 10), _mm512_slli_epi32(ld(1), 6)),
-                                            _mm512_add_epi32(_mm512_slli_epi32(ld(2), 4), ld(3)));
+        const __m512i cv = F == Q4_K ? _mm512_add_epi32(_mm512_slli_epi32(ld(0), 6), _mm512_add_epi32(_mm512_slli_epi32(ld(1), 4), ld(2)))
+                                     : _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(ld(0), 10), _mm512_slli_epi32(ld(1), 6)),
+                                                        _mm512_add_epi32(_mm512_slli_epi32(ld(2), 4), ld(3)));
         float* out = acc + m * NR;
         const __m512 dx = _mm512_set1_ps(a.dx8[m * (K / 256) + k0 / 256]);
         __m512 f = _mm512_fmadd_ps(_mm512_load_ps(rs.ws), _mm512_mul_ps(_mm512_cvtepi32_ps(cv), dx), _mm512_loadu_ps(out));
         if constexpr (F == Q4_K) {
           __m512i cm = _mm512_setzero_si512();
-          for (int i = 0; i < 4; ++i)
-            cm = _mm512_add_epi32(cm, _mm512_madd_epi16(_mm512_load_si512(rs.mp + i * NR),
-                                                        _mm512_set1_epi32(a.tp[m * (K / 64) + k0 / 64 + i])));
+          for (int i = 0; i < 4; ++i)  // (vpdpwssd: madd + add in one, the same exact sums)
+            cm = _mm512_dpwssd_epi32(cm, _mm512_load_si512(rs.mp + i * NR), _mm512_set1_epi32(a.tp[m * (K / 64) + k0 / 64 + i]));
           f = _mm512_fmadd_ps(_mm512_load_ps(rs.wm), _mm512_mul_ps(_mm512_cvtepi32_ps(cm), dx), f);
         }
         _mm512_storeu_ps(out, f);
@@ -1023,6 +1060,31 @@ int64_t row_block(int64_t M, int64_t K) {
   return std::min(M, mb);
 }
 
+// A buffer of the calling thread, reused across calls: grown when a call needs more, never
+// zeroed (every element a call reads, it wrote first; the pad rows of a 16-row tile are computed
+// and never read).  Fresh vectors per call zero-filled and page-faulted ~14 MB for a 512-row
+// Qwen 1.5B ffn_down call (the activations thrice, int8), ~3% of a 512-token prefill.  A buffer
+// past 64 MB (prompts of thousands of tokens in one call) is the call's own and freed after it.
+template <typename T>
+class Scratch {
+ public:
+  T* get(size_t n) {
+    if (n == 0) return nullptr;
+    if (n > cap_) {
+      p_.reset(new T[n]);  // default-initialised: not zeroed
+      cap_ = n;
+    }
+    return p_.get();
+  }
+  void trim() {  // after the call: drop a buffer too large to keep
+    if (cap_ * sizeof(T) > (size_t{64} << 20)) p_.reset(), cap_ = 0;
+  }
+
+ private:
+  std::unique_ptr<T[]> p_;
+  size_t cap_ = 0;
+};
+
 // out[..., sum(ns)] = x[..., K] @ [W_0; W_1; ...]^T (+ bias): the segments are
 // row blocks of one fused weight (e.g. q, k, v), each in its own format.
 torch::Tensor qlinear(const torch::Tensor& x_in, const std::vector<torch::Tensor>& packed,
@@ -1080,27 +1142,38 @@ torch::Tensor qlinear(const torch::Tensor& x_in, const std::vector<torch::Tensor
   for (int64_t f : fmts) (record_k(f) == 256 ? need256 : need32) = true;
   // AMX loads whole 16-row tiles: the int8 rows are padded to a multiple of 16 (zeros, unused)
   const int64_t Mp = tiles ? (M + amx::TM - 1) / amx::TM * amx::TM : M;
-  std::vector<int8_t> xq(need32 ? Mp * K : 0), xq8(need256 ? Mp * K : 0);
   const int64_t n32 = M * K / 32;
-  std::vector<int32_t> s32(need32 ? n32 : 0), sh(need256 ? n32 : 0), sp16(need256 ? n32 : 0), tp(need256 ? n32 / 2 : 0), cq(need256 ? 2 * n32 : 0);
-  std::vector<float> dx(need32 ? n32 : 0), dxs32(need32 ? n32 : 0), dx8(need256 ? M * K / 256 : 0);
   bool split = false;  // a K-quant segment on AMX: its activations split for the folded products
   for (size_t i = 0; i < fmts.size(); ++i) split |= (fmts[i] == Q4_K || fmts[i] == Q6_K) && seg_isa[i] == kAmx;
-  std::vector<int8_t> ah(split ? Mp * K : 0);
-  std::vector<uint8_t> al(split ? Mp * K : 0);
+  thread_local Scratch<int8_t> b_xq, b_xq8, b_ah;
+  thread_local Scratch<uint8_t> b_al;
+  thread_local Scratch<int32_t> b_s32, b_sh, b_sp16, b_tp, b_cq;
+  thread_local Scratch<float> b_dx, b_dxs32, b_dx8;
+  int8_t* const xq = b_xq.get(need32 ? Mp * K : 0);
+  int8_t* const xq8 = b_xq8.get(need256 ? Mp * K : 0);
+  int32_t* const s32 = b_s32.get(need32 ? n32 : 0);
+  int32_t* const sh = b_sh.get(need256 ? n32 : 0);
+  int32_t* const sp16 = b_sp16.get(need256 ? n32 : 0);
+  int32_t* const tp = b_tp.get(need256 ? n32 / 2 : 0);
+  int32_t* const cq = b_cq.get(need256 ? 2 * n32 : 0);
+  float* const dx = b_dx.get(need32 ? n32 : 0);
+  float* const dxs32 = b_dxs32.get(need32 ? n32 : 0);
+  float* const dx8 = b_dx8.get(need256 ? M * K / 256 : 0);
+  int8_t* const ah = b_ah.get(split ? Mp * K : 0);
+  uint8_t* const al = b_al.get(split ? Mp * K : 0);
   // Thread t of nth quantises its share of the blocks of each size the call needs.
   const float* xp = x.data_ptr<float>();
   auto quantise = [&](int64_t t, int64_t nth) {
     if (need32) {
       const int64_t nb = M * K / 32;
-      quantise_rows<32>(xp, K, nb * t / nth, nb * (t + 1) / nth, xq.data(), dx.data(), s32.data(), dxs32.data(),
+      quantise_rows<32>(xp, K, nb * t / nth, nb * (t + 1) / nth, xq, dx, s32, dxs32,
                         nullptr, nullptr, nullptr, nullptr);
     }
     if (need256) {
       const int64_t nb = M * K / 256;
-      quantise_rows<256>(xp, K, nb * t / nth, nb * (t + 1) / nth, xq8.data(), dx8.data(), nullptr, nullptr,
-                         sh.data(), sp16.data(), tp.data(), cq.data());
-      if (split) amx::split(xq8.data(), sh.data(), K, nb * t / nth, nb * (t + 1) / nth, ah.data(), al.data());
+      quantise_rows<256>(xp, K, nb * t / nth, nb * (t + 1) / nth, xq8, dx8, nullptr, nullptr,
+                         sh, sp16, tp, cq);
+      if (split) amx::split(xq8, sh, K, nb * t / nth, nb * (t + 1) / nth, ah, al);
     }
   };
   // Row blocks of MB rows, each a pass over all panels (see row_block); per block, groups of <= MR
@@ -1124,10 +1197,10 @@ torch::Tensor qlinear(const torch::Tensor& x_in, const std::vector<torch::Tensor
   auto at = [](auto* p, int64_t o) { return p == nullptr ? p : p + o; };
   for (int64_t bi = 0, gi = 0; bi < nblk; ++bi) {
     const int64_t m0 = bi * MB, mb = std::min(MB, M - m0), ng = (mb + MR - 1) / MR;
-    act_buf.push_back(Act{K, at(xq.data(), m0 * K), at(s32.data(), m0 * (K / 32)), at(dx.data(), m0 * (K / 32)),
-                       at(dxs32.data(), m0 * (K / 32)), at(xq8.data(), m0 * K), at(dx8.data(), m0 * (K / 256)),
-                       at(sh.data(), m0 * (K / 32)), at(sp16.data(), m0 * (K / 32)), at(tp.data(), m0 * (K / 64)),
-                       at(cq.data(), m0 * (K / 16)), at(ah.data(), m0 * K), at(al.data(), m0 * K), grp.data() + gi, ng});
+    act_buf.push_back(Act{K, at(xq, m0 * K), at(s32, m0 * (K / 32)), at(dx, m0 * (K / 32)),
+                       at(dxs32, m0 * (K / 32)), at(xq8, m0 * K), at(dx8, m0 * (K / 256)),
+                       at(sh, m0 * (K / 32)), at(sp16, m0 * (K / 32)), at(tp, m0 * (K / 64)),
+                       at(cq, m0 * (K / 16)), at(ah, m0 * K), at(al, m0 * K), grp.data() + gi, ng});
     gi += ng + 1;
   }
   if (nblk > next_cap) {
@@ -1201,6 +1274,7 @@ torch::Tensor qlinear(const torch::Tensor& x_in, const std::vector<torch::Tensor
     }
     if (tiles) amx::release();
   }
+  b_xq.trim(), b_xq8.trim(), b_ah.trim(), b_al.trim(), b_cq.trim();  // (the rest are 1/16 of these or less)
   return out;
 }
 
