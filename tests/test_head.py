@@ -277,6 +277,39 @@ def test_held_out_acceptance_is_adaptive_ks_prior(tiny):
     assert head_engine(target, tiny[1], "auto").policy.priors == {}  # no held-out numbers: the default
 
 
+def test_the_head_reports_its_catch_up_apart_from_drafting(tiny):
+    """After rounds without a draft, the head feeds the pairs it sat out before drafting: that is
+    a catch-up (Proposal.catch_up, and peek's candidate says it beforehand), which adaptive k
+    measures and prices apart from the cost of drafting k; in steady state it feeds 1-2 pairs.
+    Control: with every round drafting, no catch-up past the steady 2."""
+    from specdec.round import Choice
+
+    target, head = tiny
+    for plain_every in (0, 3):  # 0: every round drafts; 3: two plain rounds before each draft
+        engine = head_engine(target, head, 1)
+        seen, peeked, rounds = [], [], itertools.count()
+        plan, propose = engine._plan, engine.proposer.propose
+
+        def _plan(r, batch_size, plan=plan, plain_every=plain_every):
+            if plain_every and next(rounds) % plain_every:
+                return Choice(0)
+            peeked.append(engine.proposer.peek(r, 1)[0].catch_up)
+            return plan(r, batch_size)
+
+        def _propose(reqs, ks, only=None, propose=propose):
+            prop = propose(reqs, ks, only)
+            seen.append(prop.catch_up)
+            return prop
+
+        engine._plan, engine.proposer.propose = _plan, _propose
+        engine.generate([[1, 2, 3, 1]], SamplingParams(temperature=0.0, max_tokens=24))
+        assert seen and peeked[:len(seen)] == seen  # peek said what drafting then fed
+        if plain_every:
+            assert min(seen[1:]) >= 3, seen  # 2 plain rounds + the last round's 1-2 pairs
+        else:
+            assert max(seen) <= 2, seen
+
+
 # ---- exactness -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("k, draft_sampling", [(1, "probabilistic"), (2, "probabilistic"),
