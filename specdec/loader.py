@@ -194,15 +194,14 @@ def make_proposer(spec: SpeculativeConfig, models: Models, max_seq_len: int):
         raise SpecdecError(f"proposer={spec.proposer!r} needs a draft model (--draft MODEL)")
     if spec.proposer == "ngram":
         return NgramProposer(spec.ngram_min, spec.ngram_max)
+    # the part that runs a model: the draft head, or the draft model
     if drafts_with_head(spec, models):
-        head = HeadProposer(head_for(spec, models), models.vocab, max_seq_len, spec.draft_sampling)
-        if spec.proposer == "head":
-            return head
-        return CompositeProposer([NgramProposer(spec.ngram_min, spec.ngram_max), head])
-    dm = DraftModelProposer(models.draft, models.vocab, max_seq_len, spec.draft_sampling)
-    if spec.proposer == "draft":
-        return dm
-    return CompositeProposer([NgramProposer(spec.ngram_min, spec.ngram_max), dm])
+        drafter = HeadProposer(head_for(spec, models), models.vocab, max_seq_len, spec.draft_sampling)
+    else:
+        drafter = DraftModelProposer(models.draft, models.vocab, max_seq_len, spec.draft_sampling)
+    if spec.proposer != "composite":
+        return drafter
+    return CompositeProposer([NgramProposer(spec.ngram_min, spec.ngram_max), drafter])
 
 
 def drafts_with_head(spec: SpeculativeConfig, models: Models) -> bool:
