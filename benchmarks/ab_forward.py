@@ -14,6 +14,15 @@ baseline.  A table, then one JSON line.
 `--kernel fused --attention-only` times just the attention calls of one forward (one per layer,
 the model's shapes, each layer its own random cache; a 256 MB write between passes evicts the
 caches as the rest of a forward would), for changes too small to see in a whole forward here.
+
+`--kernel qlinear --matmul TENSOR` times one quantised matmul instead: the first `--rows` output
+rows of that GGUF tensor (in its own format) times `--width` random activation rows, with
+`--isa` (0 auto, 512 AVX-512 VNNI, 1024 AMX, ...), and checks every source's output bits against
+the first's.  E.g. variants of the AMX K-quant routine with parts of it removed, to see where a
+wide call's time goes:
+
+    .venv/bin/python benchmarks/ab_forward.py --kernel qlinear /tmp/base.cpp /tmp/variant.cpp \
+        --matmul blk.0.ffn_gate.weight --rows 2048 --width 512 --isa 1024 --threads 1
 """
 
 from __future__ import annotations
@@ -59,12 +68,19 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--attention-only", action="store_true", help="--kernel fused: time attend alone")
+    ap.add_argument("--matmul", metavar="TENSOR", help="--kernel qlinear: time one matmul on this GGUF tensor")
+    ap.add_argument("--rows", type=int, default=2048, help="--matmul: output rows of the tensor used")
+    ap.add_argument("--isa", type=int, default=0, help="--matmul: 0 auto, 2 AVX2, 512 AVX-512 VNNI, 1024 AMX")
     args = ap.parse_args()
     if args.width < 2 or args.repeats < 1 or args.threads < 1 or args.context < 1:
         ap.error("--width must be >= 2, --repeats, --threads and --context >= 1")
     if args.attention_only and args.kernel != "fused":
         ap.error("--attention-only needs --kernel fused")
+    if args.matmul and args.kernel != "qlinear":
+        ap.error("--matmul needs --kernel qlinear")
     torch.set_num_threads(args.threads)
+    if args.matmul:
+        return matmul_ab(args)
 
     from specdec.loader import load_model
     from specdec.runtime.kernels import fused, quant
@@ -122,6 +138,51 @@ def main() -> None:
     print(json.dumps({"benchmark": "ab_forward", "kernel": args.kernel, "model": args.model, "dtype": args.dtype,
                       "attention_only": args.attention_only,
                       "threads": args.threads, "width": T, "repeats": args.repeats, "results": rows}))
+
+
+def matmul_ab(args) -> None:
+    """One qlinear call on real rows of a GGUF tensor, each source in turn (see --matmul)."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    from specdec.runtime.hub import model_path
+    from specdec.runtime.kernels import quant
+
+    t = next((t for t in GGUFReader(str(model_path(args.model))).tensors if t.name == args.matmul), None)
+    if t is None:
+        raise SystemExit(f"--matmul: no tensor {args.matmul!r} in {args.model}")
+    qtype, k = t.tensor_type.name, int(t.shape[0])
+    rows = np.ascontiguousarray(np.asarray(t.data)[: args.rows])
+    qw = quant.prepare_quant([quant.QuantTensor(qtype, rows, (rows.shape[0], k))])
+    x = torch.randn(args.width, k, generator=torch.Generator().manual_seed(0))
+    with tempfile.TemporaryDirectory(prefix="specdec_ab_") as tmp:
+        exts = [build(s, args.kernel, Path(tmp)) for s in args.sources]
+        times, same, ref = {e: [] for e in range(len(exts))}, {}, None  # ref: source 0's output
+        for rep in range(args.repeats + 1):  # repeat 0 warms up and checks the bits
+            for e in list(range(len(exts)))[::-1 if rep % 2 else 1]:
+                t0 = time.perf_counter()
+                y = exts[e].qlinear(x, qw.packed, list(qw.fids), [qw.n], None, args.threads, args.isa)
+                if rep:
+                    times[e].append(time.perf_counter() - t0)
+                elif e == 0:
+                    ref = y
+        for e in range(len(exts)):  # the bits, once more, outside the timed loop
+            same[e] = bool(torch.equal(exts[e].qlinear(x, qw.packed, list(qw.fids), [qw.n], None,
+                                                       args.threads, args.isa), ref))
+    macs = args.width * qw.n * k
+    base = statistics.median(times[0])
+    print(f"{args.model} {args.matmul} ({qtype}) rows 0..{qw.n - 1}, K = {k}, M = {args.width}, "
+          f"isa {args.isa}, {args.threads} threads, median of {args.repeats}, sources alternating in one process")
+    print("| source | ms | GMAC/s | time / first | same bits as first |")
+    print("|---|---|---|---|---|")
+    rows_out = []
+    for e, s in enumerate(args.sources):
+        m = statistics.median(times[e])
+        print(f"| {s} | {m * 1e3:.2f} | {macs / m / 1e9:.0f} | {m / base:.3f} | {same[e]} |")
+        rows_out.append({"source": s, "ms": m * 1e3, "gmac_s": macs / m / 1e9, "vs_base": m / base, "same_bits": same[e]})
+    print(json.dumps({"benchmark": "ab_forward", "kernel": "qlinear", "matmul": args.matmul, "qtype": qtype,
+                      "model": args.model, "m": args.width, "n": qw.n, "k": k, "isa": args.isa,
+                      "threads": args.threads, "repeats": args.repeats, "results": rows_out}))
 
 
 if __name__ == "__main__":
