@@ -37,7 +37,7 @@ __all__ = ["PreparedWeight", "prepare_weight", "prepare_quant", "QuantTensor", "
 log = logging.getLogger(__name__)
 
 # Largest row count sent to the C++ kernel; more rows go to F.linear (MKL).
-# Measured on the dev box (benchmarks/kernels.py --crossover, and 1-thread
+# Measured on the dev box (benchmarks/fp32_kernels.py --crossover, and 1-thread
 # sweeps to M = 2048): the kernel beats F.linear at every M up to 2048 on its
 # AVX-512 tiles (>= 1.5x), and up to M = 256 on its AVX2 tiles (>= 1.15x),
 # with parity around M = 512..1024 (MKL runs AVX2 code on this AMD CPU).

@@ -26,7 +26,7 @@ last-level cache 4x.  Every call is timed on its own and the implementations
 are interleaved round by round, so the medians shrug off the host's stalls.
 torch.set_num_threads(2).  Prints tables, then exactly one JSON summary line.
 
-    python benchmarks/kernels.py [--quick] [--crossover] [--isa auto|avx2]
+    python benchmarks/fp32_kernels.py [--quick] [--crossover] [--isa auto|avx2]
 """
 
 from __future__ import annotations
