@@ -2,8 +2,8 @@
 
 For each model and prompt length T: one forward over T random prompt tokens into a fresh cache,
 logits for the last position only (what time to first token pays before the first decode step),
-in chunks of `--chunk` tokens (0: the whole prompt at once, as `specdec generate` does).  Ours
-runs once per kernel setting in `--kernels` (`auto`: AMX tiles where the CPU has them and a call
+in chunks of `--chunk` tokens (0: the whole prompt in one forward; a comma list compares chunk
+sizes, interleaved like the kernels).  Ours runs once per kernel setting in `--kernels` (`auto`: AMX tiles where the CPU has them and a call
 is wide enough; `avx512`: the AVX-512 VNNI routine only, what ran before AMX; `avx2`), and
 llama.cpp (`llama-cpp-python`, `make bench-deps`; on an AMX machine build it with AMX off, see
 docs/bench/README.md) on the same GGUF with the same threads, all interleaved per repeat;
@@ -15,6 +15,7 @@ forward(1) after a 200-token context for the verify and server widths.  A table,
 
     .venv/bin/python benchmarks/prefill.py [--models smollm2-135m,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b]
         [--lengths 128,512,2048] [--threads 2] [--repeats 3] [--kernels auto,avx512] [--no-llamacpp]
+        [--chunk 0,256,512]
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ def main():
     ap.add_argument("--lengths", default="128,512,2048")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--chunk", type=int, default=0, help="prefill chunk (0: the whole prompt)")
+    ap.add_argument("--chunk", default="0", help="prefill chunk(s), comma-separated (0: the whole prompt)")
     ap.add_argument("--kernels", default="auto,avx512", help="SPECDEC_KERNEL settings to compare")
     ap.add_argument("--widths", default="1,5,16,40,80,128")
     ap.add_argument("--no-llamacpp", action="store_true")
@@ -126,7 +127,11 @@ def main():
 
     cpu, mhz, flags = cpu_info()
     lengths = [int(x) for x in a.lengths.split(",")]
-    kernels = a.kernels.split(",")
+    chunks = [int(x) for x in a.chunk.split(",")]
+    # one column per (kernel, chunk): the kernel's name alone when one chunk size is measured
+    variants = {(k if len(chunks) == 1 else f"{k}/{c or 'whole'}"): (k, c)
+                for k in a.kernels.split(",") for c in chunks}
+    kernels = list(variants)
     ms = [int(x) for x in a.widths.split(",")]
     results = {}
     for name in a.models.split(","):
@@ -140,10 +145,11 @@ def main():
             times = {k: [] for k in kernels + (["llama.cpp"] if lc else [])}
             for rep in range(a.repeats + 1):  # repeat 0 warms up
                 for k in kernels:
-                    os.environ["SPECDEC_KERNEL"] = "" if k == "auto" else k
+                    kern, chunk = variants[k]
+                    os.environ["SPECDEC_KERNEL"] = "" if kern == "auto" else kern
                     time.sleep(0.05)  # llama.cpp's threads stop polling
                     t0 = time.perf_counter()
-                    ours(model, a.chunk)(toks)
+                    ours(model, chunk)(toks)
                     if rep:
                         times[k].append(time.perf_counter() - t0)
                 os.environ.pop("SPECDEC_KERNEL", None)
@@ -159,17 +165,17 @@ def main():
                 row[k] = {"s": s, "tok_s": t / s}
                 if k != "llama.cpp":
                     gops = 2 * macs * t / s / 1e9
-                    row[k].update(gops=gops, peak_frac=gops / peak_gops(a.threads, mhz, flags, k))
+                    row[k].update(gops=gops, peak_frac=gops / peak_gops(a.threads, mhz, flags, variants[k][0]))
             res[t] = row
         fw = {}
-        for k in kernels:
+        for k in dict.fromkeys(kern for kern, _ in variants.values()):
             os.environ["SPECDEC_KERNEL"] = "" if k == "auto" else k
             fw[k] = widths(model, ms, a.repeats)
         os.environ.pop("SPECDEC_KERNEL", None)
         results[name] = {"prefill": res, "forward_ms": fw}
         del model, lc
 
-    print(f"{cpu}, {a.threads} threads, {mhz:.0f} MHz; --dtype native; chunk {a.chunk or 'whole prompt'}; "
+    print(f"{cpu}, {a.threads} threads, {mhz:.0f} MHz; --dtype native; chunk {a.chunk if a.chunk != '0' else 'whole prompt'}; "
           f"median of {a.repeats}")
     cols = kernels + ([] if a.no_llamacpp else ["llama.cpp"])
     print("| model | T | " + " | ".join(f"{k} tok/s" for k in cols)
@@ -190,7 +196,7 @@ def main():
     for name, r in results.items():
         for k, f in r["forward_ms"].items():
             print(f"| {name} | {k} | " + " | ".join(f"{f[m]:.1f} ms ({f[m] / f[ms[0]]:.2f}x)" for m in ms) + " |")
-    print(json.dumps({"benchmark": "prefill", "cpu": cpu, "threads": a.threads, "chunk": a.chunk,
+    print(json.dumps({"benchmark": "prefill", "cpu": cpu, "threads": a.threads, "chunk": chunks if len(chunks) > 1 else chunks[0],
                       "results": results}))
 
 

@@ -99,6 +99,55 @@ def test_wide_prefill_rows_equal_every_isa_and_the_row_alone(native, monkeypatch
     assert torch.equal(model.forward(tok[:, -1:], pos[:, -1:], cache)[0, 0], auto[0, -1])
 
 
+def test_prefill_in_pieces_equals_one_forward(native):
+    """Prompt processing in pieces of PREFILL_PIECE tokens (kv_cache.prefill, what the engine
+    and the draft model run) leaves the cache's keys and values and the hidden states the head
+    proposer is told bit-identical to one forward over the whole prompt, and took several
+    forwards; a piece of a different size gives the same bits too. Negative control: one
+    prompt token changed in the last piece changes KV there and none before it."""
+    from types import SimpleNamespace
+
+    from specdec.runtime import kv_cache
+
+    model, _ = native
+    t = 2 * kv_cache.PREFILL_PIECE + 77
+    prompt = torch.randint(0, 49152, (t,), generator=torch.Generator().manual_seed(9)).tolist()
+
+    def run(tokens, piece):
+        cache = model.new_cache(1, t + 8)
+        seen, calls = [], []
+        orig = model.forward
+
+        def counted(*a, **kw):
+            calls.append(a[0].shape[1])
+            return orig(*a, **kw)
+
+        model.forward = counted
+        try:
+            fed = kv_cache.prefill(model, cache, [SimpleNamespace(row=0, tokens=tokens)], piece=piece,
+                                   on_hidden=lambda r, start, h: seen.append((start, h.clone())))
+        finally:
+            del model.forward
+        assert len(fed) == 1 and cache.lengths[0] == t - 1
+        assert [s for s, _ in seen] == [sum(calls[:i]) for i in range(len(calls))]
+        return cache, torch.cat([h for _, h in seen]), calls
+
+    whole, h_whole, calls = run(prompt, 10**9)
+    assert calls == [t - 1]
+    for piece in (kv_cache.PREFILL_PIECE, 100):
+        cache, h, calls = run(prompt, piece)
+        assert len(calls) == -(-(t - 1) // piece) and max(calls) == piece
+        assert torch.equal(h, h_whole)
+        assert torch.equal(cache.k[:, :, :, : t - 1], whole.k[:, :, :, : t - 1])
+        assert torch.equal(cache.v[:, :, :, : t - 1], whole.v[:, :, :, : t - 1])
+    changed = list(prompt)
+    j = t - 20
+    changed[j] = (changed[j] + 1) % 49152
+    cache, _, _ = run(changed, kv_cache.PREFILL_PIECE)
+    assert torch.equal(cache.k[:, :, :, :j], whole.k[:, :, :, :j])
+    assert not torch.equal(cache.k[:, :, :, j:t - 1], whole.k[:, :, :, j:t - 1])
+
+
 def _prompts(tok):
     code = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
     return [tok.encode_prompt(f"Repeat this code exactly, then add a mul function:\n{code}"),
