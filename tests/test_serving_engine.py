@@ -160,3 +160,42 @@ def test_a_seed_reproduces_whatever_else_runs(target, proposer, stable):
     # negative control: another seed gives another sample
     assert engine().generate([A], SamplingParams(temperature=1.0, max_tokens=40, seed=43, seed_stable=stable)
                              )[0].output != alone.output
+
+
+class Widths(Counting):
+    """The model, recording the width of every forward it runs."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.widths = []
+
+    def forward(self, tokens, *a, **kw):
+        self.widths.append(tokens.shape[1])
+        return super().forward(tokens, *a, **kw)
+
+
+def test_a_long_draft_catch_up_is_prefilled_in_pieces(target, monkeypatch):
+    """The composite does not prefill its draft model with the prompt (the n-gram lookup may
+    draft every round), so the draft catches up the whole prompt when it first drafts: in
+    forwards of at most PREFILL_PIECE tokens, not one forward as wide as the prompt, and the
+    output is still plain's. Negative control: with pieces larger than the prompt the same
+    catch-up is one wide forward."""
+    from specdec.proposers.composite import CompositeProposer
+    from specdec.proposers.ngram import NgramProposer
+    from specdec.runtime import kv_cache
+
+    prompt = torch.randint(0, V, (100,), generator=torch.Generator().manual_seed(4)).tolist()
+
+    def run(piece):
+        monkeypatch.setattr(kv_cache, "PREFILL_PIECE", piece)
+        draft = Widths(tiny_model(seed=3, vocab=V, dim=32, layers=1, max_seq_len=CTX))
+        proposer = CompositeProposer([NgramProposer(4, 4), DraftModelProposer(draft, V, CTX)])
+        engine = Engine(target, None, proposer, num_draft_tokens=3, max_seq_len=CTX, vocab_size=V, max_batch=1)
+        r = engine.generate([prompt], GREEDY)[0]
+        assert r.output == plain(target, prompt).output
+        assert r.stats.to_dict()["proposers"]["draft"]["proposals"] > 0  # the draft model drafted
+        return draft.widths
+
+    widths = run(16)
+    assert widths[:6] == [16] * 6 and max(widths) <= 16
+    assert max(run(1000)) >= len(prompt) - 1

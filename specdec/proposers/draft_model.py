@@ -31,6 +31,7 @@ from specdec.proposers import dynamic_tree
 from specdec.proposers.base import Candidate, Proposal, ProposerBase
 from specdec.round import RowResult
 from specdec.runtime.kv_cache import prefill as kv_prefill
+from specdec.runtime import kv_cache
 from specdec.runtime.kv_cache import common_prefix, ragged_block, rows_arg
 from specdec.tree import ancestor_mask, children, depths, draft_children, tree_ok
 
@@ -87,6 +88,20 @@ class DraftModelProposer(ProposerBase):
         target), no logits: the first round then feeds one token, like any other."""
         kv_prefill(self.model, self.cache, reqs)
 
+    def _feeds(self, reqs) -> tuple[list[list[int]], int]:
+        """(per row, the committed tokens to feed before drafting; the most any row lagged). A
+        backlog longer than a prefill piece (a prompt never prefilled: the composite's draft on
+        its first turn; a long run the n-gram drafted) is first fed as prompt processing, in
+        pieces and without logits (the same bits), leaving its last token for the forward that
+        drafts."""
+        lag = [len(r.tokens) - self.cache.lengths[r.row] for r in reqs]
+        backlog = [r for r, n in zip(reqs, lag) if n > kv_cache.PREFILL_PIECE]
+        if backlog:
+            t0 = time.perf_counter()
+            kv_prefill(self.model, self.cache, backlog)
+            self.forward_time += time.perf_counter() - t0
+        return [r.tokens[self.cache.lengths[r.row]:] for r in reqs], max(lag)
+
     def _forward(self, tokens, positions, rows, logits_at=None, mask=None, slots=None):
         t0 = time.perf_counter()
         tree = {} if slots is None else {"mask": mask, "slots": slots}  # (models without trees: chains only)
@@ -106,8 +121,7 @@ class DraftModelProposer(ProposerBase):
         drafts = torch.zeros(B, k, dtype=torch.long, device=dev)
         q_all = torch.zeros(B, k, self.V, device=dev) if self._needs_q(reqs) else None
         # Catch-up: feed committed tokens this draft has no KV for (ragged: pad at the end).
-        feeds = [r.tokens[self.cache.lengths[r.row]:] for r in reqs]
-        T = max(len(f) for f in feeds)
+        feeds, T = self._feeds(reqs)
         tok, pos = ragged_block(feeds, [self.cache.lengths[r.row] for r in reqs], self.cache.capacity)
         last = torch.tensor([[len(f) - 1] for f in feeds], device=dev)
         cur = self._forward(tok.to(dev), pos.to(dev), rows, logits_at=last)[:, 0]  # [B, V]
@@ -181,7 +195,7 @@ class DraftModelProposer(ProposerBase):
         after feeding the committed tokens it has no KV for; its KV then covers them, and the
         tree's slots follow."""
         dev = self.model.device
-        feeds = [r.tokens[self.cache.lengths[r.row]:] for r in reqs]
+        feeds, _ = self._feeds(reqs)
         tok, pos = ragged_block(feeds, [self.cache.lengths[r.row] for r in reqs], self.cache.capacity)
         last = torch.tensor([[len(f) - 1] for f in feeds], device=dev)
         root = self._forward(tok.to(dev), pos.to(dev), rows_arg(reqs, dev), logits_at=last)[:, 0]  # [n, V]
