@@ -199,3 +199,41 @@ def test_a_long_draft_catch_up_is_prefilled_in_pieces(target, monkeypatch):
     widths = run(16)
     assert widths[:6] == [16] * 6 and max(widths) <= 16
     assert max(run(1000)) >= len(prompt) - 1
+
+
+def test_prefill_pieces_of_several_prompts_are_not_padded_to_each_other(target):
+    """Three prompts prefilled together in pieces: every forward is [rows, window] with
+    rows x window <= the piece (no row padded to another row's longer share), and the KV equals
+    each prompt prefilled alone in one forward. Negative control: a prompt changed at one token
+    changes its own KV from there and nobody else's."""
+    from types import SimpleNamespace
+
+    from specdec.runtime import kv_cache
+
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (90, 90, 41)]
+
+    def together(ps, piece):
+        m = Widths(target)
+        shapes = []
+        orig = m.forward
+        m.forward = lambda tok, *a, **kw: shapes.append(tuple(tok.shape)) or orig(tok, *a, **kw)
+        cache = target.new_cache(len(ps), CTX)
+        reqs = [SimpleNamespace(row=b, tokens=p) for b, p in enumerate(ps)]
+        assert kv_cache.prefill(m, cache, reqs, piece=piece) == reqs
+        assert [cache.lengths[b] for b in range(len(ps))] == [len(p) - 1 for p in ps]
+        return cache, shapes
+
+    cache, shapes = together(prompts, 30)
+    assert len(shapes) > 3 and all(b * t <= 30 for b, t in shapes) and shapes[0] == (3, 10)
+    for b, p in enumerate(prompts):
+        alone, _ = together([p], 10**9)
+        n = len(p) - 1
+        assert torch.equal(cache.k[:, b, :, :n], alone.k[:, 0, :, :n])
+        assert torch.equal(cache.v[:, b, :, :n], alone.v[:, 0, :, :n])
+    changed = [list(p) for p in prompts]
+    changed[1][50] = (changed[1][50] + 1) % V
+    other, _ = together(changed, 30)
+    assert torch.equal(other.k[:, [0, 2]], cache.k[:, [0, 2]])
+    assert torch.equal(other.k[:, 1, :, :50], cache.k[:, 1, :, :50])
+    assert not torch.equal(other.k[:, 1, :, 50:89], cache.k[:, 1, :, 50:89])

@@ -117,37 +117,38 @@ PREFILL_PIECE = 256
 def prefill(model, cache: "KVCache", reqs, budget: int | None = None, on_hidden=None,
             taps: tuple[int, ...] = (), piece: int | None = None) -> list:
     """Give `cache` KV for every committed token of each request but the last (the next round
-    feeds it), in padded forwards of at most `piece` tokens (default PREFILL_PIECE) that compute
-    no logits; returns the
-    requests fed. budget: at most this many tokens in all (chunked prefill), handed out in
-    request order; a request left short gets the rest in later calls. on_hidden(request, start,
+    feeds it), in padded forwards of about `piece` rows (default PREFILL_PIECE) that compute no
+    logits; returns the requests fed. budget: at most this many tokens in all (chunked prefill),
+    handed out in request order; a request left short gets the rest in later calls. The
+    requests' tokens go in windows of piece // (requests still feeding) positions, all rows
+    together, so equal prompts are never padded to one another. on_hidden(request, start,
     hidden [n, dim]): told the final hidden states of the n positions fed from `start` (a draft
     head's input; with `taps`, the residual streams after those layers before them, as
     Transformer.forward), once per forward that fed it."""
     piece = piece or PREFILL_PIECE
-    fed: dict[int, object] = {}
     left = budget if budget is not None else float("inf")
-    while left > 0:
-        todo, n = _prefill_once(model, cache, reqs, min(left, piece), on_hidden, taps)
-        if not todo:
-            break
-        fed.update((id(r), r) for r in todo)
-        left -= n
-    return list(fed.values())
-
-
-def _prefill_once(model, cache, reqs, budget, on_hidden, taps) -> tuple[list, int]:
-    """One forward of prefill: (the requests fed, tokens fed)."""
-    todo, chunks = [], []
-    left = budget
+    todo, owed = [], []
     for r in reqs:
         n = min(len(r.tokens) - 1 - cache.lengths[r.row], left)
         if n > 0:
             todo.append(r)
-            chunks.append(r.tokens[cache.lengths[r.row]:cache.lengths[r.row] + n])
+            owed.append(n)
             left -= n
-    if not todo:
-        return [], 0
+    while True:
+        live = [b for b, n in enumerate(owed) if n > 0]
+        if not live:
+            return todo
+        w = max(1, piece // len(live))
+        feed = [(todo[b], min(owed[b], w)) for b in live]
+        _prefill_once(model, cache, feed, on_hidden, taps)
+        for b, (_, n) in zip(live, feed):
+            owed[b] -= n
+
+
+def _prefill_once(model, cache, feed, on_hidden, taps) -> None:
+    """One forward of prefill: feed [(request, tokens to feed from its KV length)]."""
+    chunks = [r.tokens[cache.lengths[r.row]:cache.lengths[r.row] + n] for r, n in feed]
+    todo = [r for r, _ in feed]
     dev = model.device
     starts = [cache.lengths[r.row] for r in todo]
     tok, pos = ragged_block(chunks, starts, cache.capacity)
@@ -160,7 +161,6 @@ def _prefill_once(model, cache, reqs, budget, on_hidden, taps) -> tuple[list, in
         cache.advance(r.row, len(c))
         if tok.shape[1] - len(c) >= PAD_RELEASE:  # a short prompt padded to a long one's width:
             cache.release(r.row, cache.lengths[r.row])  # its pads' pages are not its memory
-    return todo, budget - left
 
 
 class KVCache:
