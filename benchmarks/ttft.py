@@ -10,7 +10,10 @@ prefill clock (target, and with `--draft` the draft's prompt too). The generated
 the same for every piece size (asserted). A table, then one JSON line.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/ttft.py --model qwen2.5-coder-1.5b \\
-        [--draft qwen2.5-coder-0.5b] [--tokens 1000] [--pieces 0,256] [--repeats 5]
+        [--draft qwen2.5-coder-0.5b] [--tokens 1000] [--pieces 0,256] [--repeats 5] [--batch 1]
+
+`--batch N`: N different windows in one `generate` call (N rows prefilled together); the time
+to first token is then the first streamed text of any of them.
 
 `--pieces 0` is one forward over the whole prompt (what the engine did before PREFILL_PIECE).
 """
@@ -49,6 +52,7 @@ def main():
     ap.add_argument("--pieces", default="0,256", help="prefill piece sizes (0: the whole prompt)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=1, help="prompts per generate call (rows prefilled together)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     import specdec
@@ -58,34 +62,35 @@ def main():
 
     spec = {"draft": a.draft, "num_draft_tokens": 4} if a.draft else None
     llm = specdec.LLM(model=a.model, speculative_config=spec, max_model_len=a.tokens + a.max_tokens + 64,
-                      max_batch=1)
-    ids = code_tokens(llm.tokenizer, a.tokens * (a.repeats + 1) + 1)
+                      max_batch=a.batch)
+    ids = code_tokens(llm.tokenizer, a.tokens * a.batch * (a.repeats + 1) + 1)
     pieces = [int(x) for x in a.pieces.split(",")]
     params = specdec.SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
     evict = specdec.SamplingParams(temperature=0.0, max_tokens=1)
     times = {p: {"ttft": [], "prompt": [], "decode": []} for p in pieces}
     for rep in range(a.repeats + 1):  # repeat 0 warms up
-        window = ids[rep * a.tokens:(rep + 1) * a.tokens]
-        other = next(t for t in range(1, 100) if t != window[0])
+        n = a.tokens * a.batch
+        windows = [ids[rep * n + i * a.tokens:rep * n + (i + 1) * a.tokens] for i in range(a.batch)]
+        other = next(t for t in range(1, 100) if all(t != w[0] for w in windows))
         outs = {}
         order = pieces[rep % len(pieces):] + pieces[:rep % len(pieces)]
         for p in order:
             kv_cache.PREFILL_PIECE = p or 10**9
-            llm.generate([[other, other]], evict)
+            llm.generate([[other, other + i] for i in range(a.batch)], evict)
             first = []
             t0 = time.perf_counter()
-            out = llm.generate([window], params, on_text=lambda _i, _d: first or first.append(time.perf_counter()))[0]
-            assert out.cached_tokens == 0, out.cached_tokens
-            outs[p] = out.token_ids
+            res = llm.generate(windows, params, on_text=lambda _i, _d: first or first.append(time.perf_counter()))
+            assert all(o.cached_tokens == 0 for o in res), [o.cached_tokens for o in res]
+            outs[p] = [o.token_ids for o in res]
             if rep:
                 times[p]["ttft"].append(first[0] - t0)
-                times[p]["prompt"].append(out.prefill_s)
-                times[p]["decode"].append(len(out.token_ids) / out.decode_s)
+                times[p]["prompt"].append(max(o.prefill_s for o in res))
+                times[p]["decode"].append(sum(len(o.token_ids) for o in res) / max(o.decode_s for o in res))
         assert all(o == outs[pieces[0]] for o in outs.values()), "output differs between piece sizes"
     cpu, mhz, _ = cpu_info()
     base = pieces[0]
     print(f"{cpu}, {a.threads} threads, {mhz:.0f} MHz; {a.model}" + (f" + draft {a.draft} (k = 4)" if a.draft else "")
-          + f"; prompt {a.tokens} tokens of code; median of {a.repeats}")
+          + f"; {a.batch} x " * (a.batch > 1) + f"prompt {a.tokens} tokens of code; median of {a.repeats}")
     print("| piece | time to first token s | prompt s | prompt tok/s | TTFT vs " + (str(base) if base else "whole")
           + " | decode tok/s |")
     print("|---|---|---|---|---|---|")
@@ -96,10 +101,10 @@ def main():
         ratio = statistics.median(x / y for x, y in zip(t["ttft"], times[base]["ttft"]))
         res[p or "whole"] = {"ttft_s": med["ttft"], "prompt_s": med["prompt"], "decode_tok_s": med["decode"],
                              "ttft_vs_base": ratio}
-        print(f"| {p or 'whole'} | {med['ttft']:.3f} | {med['prompt']:.3f} | {a.tokens / med['prompt']:.0f} | "
+        print(f"| {p or 'whole'} | {med['ttft']:.3f} | {med['prompt']:.3f} | {a.tokens * a.batch / med['prompt']:.0f} | "
               f"{ratio:.2f}x | {med['decode']:.1f} |")
     print(json.dumps({"benchmark": "ttft", "cpu": cpu, "model": a.model, "draft": a.draft, "tokens": a.tokens,
-                      "threads": a.threads, "outputs_equal": True, "results": res}))
+                      "batch": a.batch, "threads": a.threads, "outputs_equal": True, "results": res}))
 
 
 if __name__ == "__main__":
