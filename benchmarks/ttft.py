@@ -68,9 +68,16 @@ def main():
     params = specdec.SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
     evict = specdec.SamplingParams(temperature=0.0, max_tokens=1)
     times = {p: {"ttft": [], "prompt": [], "decode": []} for p in pieces}
+    at = 0
     for rep in range(a.repeats + 1):  # repeat 0 warms up
-        n = a.tokens * a.batch
-        windows = [ids[rep * n + i * a.tokens:rep * n + (i + 1) * a.tokens] for i in range(a.batch)]
+        windows, firsts = [], set()  # consecutive windows, none sharing a first token with another
+        while len(windows) < a.batch:
+            while ids[at] in firsts:
+                at += 1
+            windows.append(ids[at:at + a.tokens])
+            firsts.add(ids[at])
+            at += a.tokens
+        assert len(windows[-1]) == a.tokens, "not enough source text; ask for fewer tokens"
         other = next(t for t in range(1, 100) if all(t != w[0] for w in windows))
         outs = {}
         order = pieces[rep % len(pieces):] + pieces[:rep % len(pieces)]
