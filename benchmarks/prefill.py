@@ -11,7 +11,9 @@ medians.  The int8 matmul rate counts 2 operations per multiply-add of the model
 (the layers' matmuls: the head runs once) and is shown against the machine's int8 peak (cores x MHz x multiply-adds
 per cycle: 1,024 with AMX tiles, 128 with AVX-512 VNNI (64 on AMD Zen 4, family 25, which runs
 each 512-bit operation as two 256-bit halves), 32 with AVX2).  Then forward(M) /
-forward(1) after a 200-token context for the verify and server widths.  A table, one JSON line.
+forward(1) after a 200-token context for the verify and server widths, each with its share of the
+int8 peak (the layers' and the head's multiply-adds: it computes logits at every position).  A
+table, one JSON line.
 
     .venv/bin/python benchmarks/prefill.py [--models smollm2-135m,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b]
         [--lengths 128,512,2048] [--threads 2] [--repeats 3] [--kernels auto,avx512] [--no-llamacpp]
@@ -65,6 +67,13 @@ def matmul_params(model) -> int:
     """Multiply-adds per prompt token in the layers' matmuls (the output head runs for the last
     token only)."""
     return sum(w.n * w.k for lw in model.layers for w in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down))
+
+
+def head_params(model) -> int:
+    """Multiply-adds per position of the output head (a forward(M) below computes logits at
+    every position)."""
+    h = model.lm_head
+    return h.n * h.k if h is not None and hasattr(h, "n") else 0
 
 
 def llamacpp(name: str, threads: int, ctx: int):
@@ -172,7 +181,10 @@ def main():
             os.environ["SPECDEC_KERNEL"] = "" if k == "auto" else k
             fw[k] = widths(model, ms, a.repeats)
         os.environ.pop("SPECDEC_KERNEL", None)
-        results[name] = {"prefill": res, "forward_ms": fw}
+        per_row = macs + head_params(model)
+        fw_peak = {k: {m: 2 * per_row * m / (t / 1e3) / 1e9 / peak_gops(a.threads, mhz, flags, k) for m, t in f.items()}
+                   for k, f in fw.items()}
+        results[name] = {"prefill": res, "forward_ms": fw, "forward_peak_frac": fw_peak}
         del model, lc
 
     print(f"{cpu}, {a.threads} threads, {mhz:.0f} MHz; --dtype native; chunk {a.chunk if a.chunk != '0' else 'whole prompt'}; "
@@ -190,12 +202,14 @@ def main():
             cells.append(f"{au['gops']:.0f} ({au['peak_frac']:.1%})")
             print(f"| {name} | {t} | " + " | ".join(cells) + " |")
     print()
-    print("forward(M) / forward(1), 200-token context")
+    print("forward(M) / forward(1), 200-token context (int8 peak fraction: layers' and head's multiply-adds)")
     print("| model | kernel | " + " | ".join(f"M={m}" for m in ms) + " |")
     print("|---|---|" + "---|" * len(ms))
     for name, r in results.items():
         for k, f in r["forward_ms"].items():
-            print(f"| {name} | {k} | " + " | ".join(f"{f[m]:.1f} ms ({f[m] / f[ms[0]]:.2f}x)" for m in ms) + " |")
+            pk = r["forward_peak_frac"][k]
+            print(f"| {name} | {k} | " + " | ".join(f"{f[m]:.1f} ms ({f[m] / f[ms[0]]:.2f}x, {pk[m]:.0%})" for m in ms)
+                  + " |")
     print(json.dumps({"benchmark": "prefill", "cpu": cpu, "threads": a.threads, "chunk": chunks if len(chunks) > 1 else chunks[0],
                       "results": results}))
 
