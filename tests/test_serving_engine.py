@@ -162,15 +162,15 @@ def test_a_seed_reproduces_whatever_else_runs(target, proposer, stable):
                              )[0].output != alone.output
 
 
-class Widths(Counting):
-    """The model, recording the width of every forward it runs."""
+class Shapes(Counting):
+    """The model, recording the [rows, width] of every forward it runs."""
 
     def __init__(self, model):
         super().__init__(model)
-        self.widths = []
+        self.shapes = []
 
     def forward(self, tokens, *a, **kw):
-        self.widths.append(tokens.shape[1])
+        self.shapes.append(tuple(tokens.shape))
         return super().forward(tokens, *a, **kw)
 
 
@@ -188,13 +188,13 @@ def test_a_long_draft_catch_up_is_prefilled_in_pieces(target, monkeypatch):
 
     def run(piece):
         monkeypatch.setattr(kv_cache, "PREFILL_PIECE", piece)
-        draft = Widths(tiny_model(seed=3, vocab=V, dim=32, layers=1, max_seq_len=CTX))
+        draft = Shapes(tiny_model(seed=3, vocab=V, dim=32, layers=1, max_seq_len=CTX))
         proposer = CompositeProposer([NgramProposer(4, 4), DraftModelProposer(draft, V, CTX)])
         engine = Engine(target, None, proposer, num_draft_tokens=3, max_seq_len=CTX, vocab_size=V, max_batch=1)
         r = engine.generate([prompt], GREEDY)[0]
         assert r.output == plain(target, prompt).output
         assert r.stats.to_dict()["proposers"]["draft"]["proposals"] > 0  # the draft model drafted
-        return draft.widths
+        return [t for _, t in draft.shapes]
 
     widths = run(16)
     assert widths[:6] == [16] * 6 and max(widths) <= 16
@@ -214,15 +214,12 @@ def test_prefill_pieces_of_several_prompts_are_not_padded_to_each_other(target):
     prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (90, 90, 41)]
 
     def together(ps, piece):
-        m = Widths(target)
-        shapes = []
-        orig = m.forward
-        m.forward = lambda tok, *a, **kw: shapes.append(tuple(tok.shape)) or orig(tok, *a, **kw)
+        m = Shapes(target)
         cache = target.new_cache(len(ps), CTX)
         reqs = [SimpleNamespace(row=b, tokens=p) for b, p in enumerate(ps)]
         assert kv_cache.prefill(m, cache, reqs, piece=piece) == reqs
         assert [cache.lengths[b] for b in range(len(ps))] == [len(p) - 1 for p in ps]
-        return cache, shapes
+        return cache, m.shapes
 
     cache, shapes = together(prompts, 30)
     assert len(shapes) > 3 and all(b * t <= 30 for b, t in shapes) and shapes[0] == (3, 10)

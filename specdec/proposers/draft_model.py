@@ -30,9 +30,9 @@ from specdec.logits_state import sampling_groups, stacked_inputs
 from specdec.proposers import dynamic_tree
 from specdec.proposers.base import Candidate, Proposal, ProposerBase
 from specdec.round import RowResult
-from specdec.runtime.kv_cache import prefill as kv_prefill
 from specdec.runtime import kv_cache
 from specdec.runtime.kv_cache import common_prefix, ragged_block, rows_arg
+from specdec.runtime.kv_cache import prefill as kv_prefill
 from specdec.tree import ancestor_mask, children, depths, draft_children, tree_ok
 
 
@@ -94,13 +94,14 @@ class DraftModelProposer(ProposerBase):
         its first turn; a long run the n-gram drafted) is first fed as prompt processing, in
         pieces and without logits (the same bits), leaving its last token for the forward that
         drafts."""
-        lag = [len(r.tokens) - self.cache.lengths[r.row] for r in reqs]
-        backlog = [r for r, n in zip(reqs, lag) if n > kv_cache.PREFILL_PIECE]
-        if backlog:
+        feeds = [r.tokens[self.cache.lengths[r.row]:] for r in reqs]
+        lag = max(len(f) for f in feeds)
+        if lag > kv_cache.PREFILL_PIECE:  # (steady state: 1-2 tokens, nothing more to do per round)
             t0 = time.perf_counter()
-            kv_prefill(self.model, self.cache, backlog)
+            kv_prefill(self.model, self.cache, [r for r, f in zip(reqs, feeds) if len(f) > kv_cache.PREFILL_PIECE])
             self.forward_time += time.perf_counter() - t0
-        return [r.tokens[self.cache.lengths[r.row]:] for r in reqs], max(lag)
+            feeds = [r.tokens[self.cache.lengths[r.row]:] for r in reqs]
+        return feeds, lag
 
     def _forward(self, tokens, positions, rows, logits_at=None, mask=None, slots=None):
         t0 = time.perf_counter()

@@ -106,7 +106,7 @@ def rows_arg(reqs, device):
     return None if rows == list(range(len(rows))) else torch.tensor(rows, device=device)
 
 
-# Most prompt tokens per prefill forward. Measured on Zen 5 (docs/bench, prefill_chunks_zen5.txt):
+# About this many rows (prompt positions, all requests together) per prefill forward. Measured on Zen 5 (docs/bench, prefill_chunks_zen5.txt):
 # pieces of 128-384 tokens beat one forward over the whole prompt by 1.1-1.3x at 1,024-2,048
 # tokens on SmolLM2, Qwen 0.5B and Qwen 1.5B (the MLP's intermediate activations of a whole
 # long prompt spill out of the caches; Qwen 1.5B's gate/up output is 72 KB per token), and 512
