@@ -28,6 +28,7 @@ from specdec.head.model import HeadCache
 from specdec.head.train import acceptance, batches, collate, draft_vocabulary, loss_fn, windows
 from specdec.loader import Models, build_engine
 from specdec.proposers import head as head_proposer
+from specdec.runtime.kernels import linear
 from specdec.tools.distribution import (chi_square, engine_joint_exact, noncentrality, sample_engine,
                                         target_joint_exact)
 
@@ -713,6 +714,60 @@ def test_shipped_head_composite_greedy_equals_plain_on_smollm2(smollm2_models):
                 assert accepted > 0, name
 
 
+def test_shipped_head_drafts_on_int8_weights_near_its_fp32_values(smollm2_models):
+    """A prepared head (576-wide SmolLM2) drafts on Q8_0 weights and output rows, the int8
+    kernels' formats: its features stay within a few percent of the fp32 head's on real
+    features, and its first drafts are the fp32 head's at nearly every position. Where K is not
+    a multiple of 32 (the tiny heads) the weights stay bf16 panels."""
+    from specdec.head import shipped_head
+    from specdec.runtime.kernels import PreparedWeight, prepare_int8
+    from specdec.runtime.kernels.quant import QuantWeight
+    from specdec.tools.prompts import humaneval
+
+    models = smollm2_models
+    target = models.target
+    fp32 = load_head(shipped_head("smollm2-135m"), target)
+    int8 = copy.deepcopy(fp32).prepare()
+    assert all(isinstance(int8._kernels[n], QuantWeight) for n in ("fc", "wqkv", "wo", "w_gate_up", "w_down"))
+    ids, rows = int8.draft_rows(models.vocab)
+    assert isinstance(rows, QuantWeight) and rows.n == len(ids)
+    assert isinstance(prepare_int8(torch.randn(8, 16)), PreparedWeight)  # K = 16: bf16 panels
+    toks = models.tokenizer.encode_prompt(humaneval(1)[0])
+    with torch.no_grad():
+        _, h = target.forward(torch.tensor([toks]), torch.arange(len(toks)).view(1, -1),
+                              target.new_cache(1, 1024), return_hidden=True)
+        T = len(toks) - 1
+        feats, nxt, pos = h[:, :T], torch.tensor([toks[1: T + 1]]), torch.arange(T).view(1, -1)
+        g = [head.step(feats, nxt, pos, HeadCache(1, head.cfg.n_kv_heads, head.cfg.head_dim, 1024), [0])[0]
+             for head in (fp32, int8)]
+        rel = (g[1] - g[0]).norm(dim=-1) / g[0].norm(dim=-1)
+        first = [fp32.logits(g[0]).argmax(-1), linear(g[1], rows).argmax(-1)]
+    assert float(rel.max()) < 0.05, float(rel.max())
+    assert float((first[0] == first[1]).float().mean()) >= 0.95
+
+
+def test_head_layer_starts_as_the_targets_last_layer():
+    """`train-head --init-layer last`: the head's attention, MLP and their norms start as the
+    target's last layer (dequantised), its input as the token's and the feature's sum; a head
+    whose MLP is not the target's width is refused before anything runs."""
+    from specdec.head.train import init_from_layer
+
+    target = tiny_model(seed=3, **dict(KW, layers=2))
+    cfg = HeadConfig.for_target(target.args, "tiny", "", 3, target.args.intermediate_size)
+    head = attach(DraftHead(cfg), target)
+    init_from_layer(head, target, 1)
+    lw = target.layers[1]
+    for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+        assert torch.equal(getattr(head, name).weight, getattr(lw, name).dense), name
+    assert torch.equal(head.w_a, lw.attn_norm) and torch.equal(head.w_m, lw.ffn_norm)
+    d = cfg.dim
+    assert torch.equal(head.fc.weight, torch.cat([torch.eye(d), torch.eye(d)], 1))
+    init_from_layer(attach(DraftHead(cfg), target), target, 0)  # any layer of the target
+    other = attach(DraftHead(HeadConfig.for_target(target.args, "tiny", "", 3, 2 * target.args.intermediate_size)),
+                   target)
+    assert not torch.equal(other.wqkv.weight, lw.wqkv.dense)  # (without it: a random start)
+
+
 class ByteTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
@@ -874,6 +929,11 @@ def test_train_head_command_end_to_end(tmp_path, capsys):
     assert "taps=1: the model has 2 layers; allowed layer indices [0, 0]" in capsys.readouterr().err
     assert main([*fresh, "--taps", "0,0", "--threads", "1"]) == 2
     assert "distinct and ascending" in capsys.readouterr().err
+    assert main([*fresh, "--init-layer", "last", "--threads", "1"]) == 2  # --intermediate 32 is not its MLP
+    err = capsys.readouterr().err
+    assert "init_layer=last" in err and "intermediate=32; allowed:" in err
+    assert main([*fresh, "--init-layer", "first", "--threads", "1"]) == 2
+    assert "init_layer='first'; allowed: none, last" in capsys.readouterr().err
     state = json.loads((out / "work" / "state.json").read_text())  # a stopped run resumed with other taps
     (out / "work" / "state.json").write_text(json.dumps(state | {"finished": False}))
     assert main([*flags[:-4], "--taps", "none", "--threads", "1"]) == 2

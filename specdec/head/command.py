@@ -52,9 +52,18 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=_int, default=d.warmup, help="optimizer steps of linear warm-up, [1, 100000]")
     p.add_argument("--max-new", type=_int, default=d.max_new, help="answer tokens per training prompt, [16, 4096]")
     p.add_argument("--batch", type=_int, default=d.batch, help="harvest rows decoding together, [1, 64]")
+    p.add_argument("--init-layer", default="none", metavar="none|last",
+                   help="last: the head's layer starts as a copy of the target's last layer "
+                        "(needs --intermediate equal to the target's MLP width)")
     p.add_argument("--taps", default="none", metavar="none|auto|I,J,...",
                    help="target layers whose residual streams the head reads beside the final hidden "
                         "state (EAGLE-3's fused features): auto = layers 2, n/2 and n-3 of n; each in [0, n-2]")
+
+
+def check_choice(name: str, value: str, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise SpecdecError(f"{name}={value!r}; allowed: {', '.join(allowed)}", name)
+    return value
 
 
 def parse_taps(text: str):
@@ -106,7 +115,8 @@ def settings_from(a) -> TrainSettings:
         lr=check_float("lr", a.lr, 0.0, 1.0, lo_open=True),
         tokens_per_batch=check_int("batch_pairs", a.batch_pairs, 64, 65536),
         warmup=check_int("warmup", a.warmup, 1, 100000),
-        taps=parse_taps(getattr(a, "taps", "none")))
+        taps=parse_taps(getattr(a, "taps", "none")),
+        init_layer=check_choice("init_layer", getattr(a, "init_layer", "none"), ("none", "last")))
     if st.harvest_share + st.corpus_share >= 1:  # training needs the rest of the budget
         raise SpecdecError(f"corpus_share={st.corpus_share} leaves no time to train after harvest_share="
                            f"{st.harvest_share}; allowed [0, {1 - st.harvest_share:.2f})", "corpus_share")
@@ -136,6 +146,9 @@ def cmd_train_head(a) -> int:
     st = dataclasses.replace(st, taps=resolve_taps(st.taps, model.args.n_layers))
     if tok is None:
         raise SpecdecError("train-head needs the model's tokenizer", "model")
+    if st.init_layer == "last" and st.intermediate != model.args.intermediate_size:
+        raise SpecdecError(f"init_layer=last copies the target's last layer, so the head's MLP must be as wide: "
+                           f"intermediate={st.intermediate}; allowed: {model.args.intermediate_size}", "intermediate")
     if st.draft_vocab > model.args.vocab_size:
         raise SpecdecError(f"draft_vocab={st.draft_vocab} exceeds the model's vocabulary; allowed: "
                            f"[256, {model.args.vocab_size}]", "draft_vocab")

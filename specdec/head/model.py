@@ -39,7 +39,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from specdec.errors import SpecdecError
-from specdec.runtime.kernels import fused, linear, prepare_weight
+from specdec.runtime.kernels import fused, linear, prepare_int8
 from specdec.runtime.model import rope_tables
 
 HEAD_FORMAT = 1  # bumped when the saved layout changes
@@ -139,6 +139,7 @@ class DraftHead(nn.Module):
         self.out: torch.Tensor | None = None  # [Vd, d] the target's output rows for `vocab`
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self._kernels: dict | None = None  # prepared weights for drafting (`prepare`)
+        self._rows: tuple | None = None  # (vocabulary size, ids inside it, their prepared output rows)
 
     # ---- the target's parts ----------------------------------------------------------------
     def attach(self, embed: torch.Tensor, output: torch.Tensor) -> "DraftHead":
@@ -148,15 +149,29 @@ class DraftHead(nn.Module):
                                f"{embed.shape[1]}")
         self.embed = embed
         self.out = output[self.vocab].contiguous()
+        self._kernels = self._rows = None
         return self
 
     def prepare(self) -> "DraftHead":
-        """Draft on the runtime's own batch-invariant kernels: each linear as bf16 (a saved head's
-        own values, so drafting equals `unroll` on a loaded head), streamed at half the bytes of
-        fp32. Training never calls this (its weights move)."""
-        self._kernels = {n: prepare_weight(getattr(self, n).weight, "bf16") for n in LINEARS if hasattr(self, n)}
+        """Draft on the runtime's own batch-invariant kernels: each linear as Q8_0 on the int8
+        kernels (a quarter of fp32's bytes: between two draft steps the target's forward streams
+        its whole weights through the caches, so a step reads the head's from memory) or, where
+        those cannot run it, as bf16. Training never calls this (its weights move); `unroll`
+        and the unprepared step compute in fp32, which drafting matches up to the int8
+        rounding of weights and activations."""
+        if self._kernels is not None:  # (engines share a loaded head: quantise it once)
+            return self
+        self._kernels = {n: prepare_int8(getattr(self, n).weight) for n in LINEARS if hasattr(self, n)}
         self._kernels.update({n: getattr(self, n).detach().float().contiguous() for n in NORMS})
         return self
+
+    def draft_rows(self, vocab_size: int):
+        """(draft ids below vocab_size [Vd'], the target's output rows for them prepared like the
+        head's weights [Vd', d]): what drafting multiplies g by."""
+        if self._rows is None or self._rows[0] != vocab_size:
+            keep = self.vocab < vocab_size
+            self._rows = (vocab_size, self.vocab[keep], prepare_int8(self.out[keep]))
+        return self._rows[1], self._rows[2]
 
     def _lin(self, name: str, x: torch.Tensor) -> torch.Tensor:
         if self._kernels is not None:

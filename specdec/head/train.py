@@ -64,6 +64,7 @@ class TrainSettings:
     warmup: int = 30  # optimizer steps of linear warm-up
     seed: int = 0
     taps: tuple[int, ...] = ()  # target layers whose residual streams the head also reads
+    init_layer: str = "none"  # "last": the head's layer starts as a copy of the target's last one
     held_out_code: int = 20  # HumanEval prompts for the held-out measurement
     held_out_new: int = 128
 
@@ -315,6 +316,8 @@ def train_head(model, tokenizer, target: str, sha256: str, st: TrainSettings, co
         attach(head, model)
         with torch.no_grad():
             head.w_o.copy_(model.norm)
+        if st.init_layer == "last":
+            init_from_layer(head, model, model.args.n_layers - 1)
         opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=st.lr, weight_decay=0.0)
         ckpt = work / "checkpoint.pt"
         step = 0
@@ -390,12 +393,27 @@ def train_head(model, tokenizer, target: str, sha256: str, st: TrainSettings, co
                  "epochs": round(seen / max(n_pairs, 1), 2), "steps": step, "seed": st.seed,
                  "minutes": st.minutes, "unrolled_steps": st.steps, "draft_vocab": len(ids),
                  "draft_vocab_coverage": coverage, "window": WINDOW, "lr": st.lr,
-                 "batch_pairs": st.tokens_per_batch, "warmup": st.warmup}
+                 "batch_pairs": st.tokens_per_batch, "warmup": st.warmup, "init_layer": st.init_layer}
     cfg.held_out = results
     head.cfg = cfg
     head.save(st.out)
     save_state(finished=True)
     return cfg.__dict__
+
+
+def init_from_layer(head: DraftHead, model, i: int) -> None:
+    """Start the head's layer as a copy of target layer i (its attention, MLP and their norms,
+    dequantised; biases, which the head has none of, left out; the MLP as wide as the target's),
+    and z = rms(embed(x_{j+1})) + rms(u_j) at first: the token and the feature, summed as a
+    residual stream holds them."""
+    lw = model.layers[i]
+    d = head.cfg.dim
+    with torch.no_grad():
+        for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+            getattr(head, name).weight.copy_(getattr(lw, name).dense)
+        head.w_a.copy_(lw.attn_norm)
+        head.w_m.copy_(lw.ffn_norm)
+        head.fc.weight.copy_(torch.cat([torch.eye(d), torch.eye(d)], 1))
 
 
 def _coverage(seqs: list[Sequence], ids: torch.Tensor) -> float:

@@ -27,7 +27,7 @@ from specdec.proposers import dynamic_tree
 from specdec.proposers.base import Proposal, ProposerBase
 from specdec.proposers.draft_model import draw, fill_children
 from specdec.round import Candidate, RowResult
-from specdec.runtime.kernels import linear, prepare_weight
+from specdec.runtime.kernels import linear
 from specdec.runtime.kv_cache import common_prefix
 from specdec.tree import ancestor_mask, children, depths, tree_ok
 
@@ -55,10 +55,10 @@ class HeadProposer(ProposerBase):
         self.acceptance_prior = held_out_prior(head.cfg.held_out)
         self.F = head.cfg.feature_dim
         self.V = vocab_size  # the real (tokenizer) vocabulary
-        self.ids = head.vocab[head.vocab < vocab_size]  # draft ids inside it
-        # [Vd', d] the target's output rows for the draft ids, bf16 on the runtime's kernels (half
-        # the bytes of fp32; q is the head's distribution as computed here, whatever it rounds to)
-        self.rows_out = prepare_weight(head.out[head.vocab < vocab_size], "bf16")
+        # the draft ids inside it and the target's output rows for them [Vd', d], Q8_0 on the int8
+        # kernels like the head's own weights (q is the head's distribution as computed here,
+        # whatever it rounds to)
+        self.ids, self.rows_out = head.draft_rows(vocab_size)
         self.capacity = max_seq_len + headroom
         self.draft_sampling = draft_sampling
         self.cache = HeadCache(1, head.cfg.n_kv_heads, head.cfg.head_dim, self.capacity)
@@ -105,6 +105,23 @@ class HeadProposer(ProposerBase):
             self.feats[row] = f = [torch.cat(f)]
         return f[0] if f else torch.zeros(0, self.F)
 
+    def _since(self, row: int, i: int) -> torch.Tensor:
+        """The row's true features from index i (position start + i) on, without concatenating
+        the history before it: a round reads only its last few pairs, and joining a long
+        context's features every round cost O(context) each (a 2,000-token Qwen context: 12 MB)."""
+        chunks = self.feats[row]
+        if len(chunks) > 64:  # (joined now and then: the chunk list stays short)
+            chunks = [self._all(row)]
+        end, tail = sum(len(c) for c in chunks), []
+        for c in reversed(chunks):
+            if end <= i:
+                break
+            tail.append(c[max(0, i - (end - len(c))):])
+            end -= len(c)
+        if not tail:
+            return torch.zeros(0, self.F)
+        return tail[0] if len(tail) == 1 else torch.cat(tail[::-1])
+
     # ---- features in --------------------------------------------------------------------------
     def observe_hidden(self, req, start: int, hidden: torch.Tensor) -> None:
         """The target's features [n, F] (final hidden states, after the taps' streams) at
@@ -143,7 +160,7 @@ class HeadProposer(ProposerBase):
         but the last n_keep; None if there are none."""
         row = req.row
         a, start = self._fed[row], self.cache.start[row]
-        f = self._all(row)[a - start:]
+        f = self._since(row, a - start)
         n = min(len(f), len(req.tokens) - 1 - a) - n_keep
         if n <= 0:
             return None

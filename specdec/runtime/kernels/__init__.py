@@ -103,6 +103,16 @@ def prepare_weight(w: torch.Tensor, dtype: str = "fp32") -> PreparedWeight:
     return PreparedWeight(None, w, n, k, dtype)
 
 
+def prepare_int8(w: torch.Tensor) -> PreparedWeight | quant.QuantWeight:
+    """w [N, K] as Q8_0 blocks on the int8 kernels (about half the bytes of bf16, for a small
+    network's weights that a larger one's stream evicts from the caches between its calls), or
+    as bf16 panels where K is not a multiple of 32 or the int8 kernels cannot run here."""
+    if w.dim() == 2 and w.shape[1] % 32 == 0 and kernel_available() and quant._qext() is not None \
+            and os.environ.get("SPECDEC_KERNEL") != "torch":
+        return quant.prepare_quant([quant.quantise(w, "Q8_0")])
+    return prepare_weight(w, "bf16")
+
+
 def _pack(w: torch.Tensor, dtype: str) -> torch.Tensor:
     """[N, K] fp32 -> [U, K, KS] units (fp32, or int16 bf16 bits in lane-pair order)."""
     n, k = w.shape

@@ -99,6 +99,18 @@ def requantise(qt: QuantTensor, qtype: str = "Q4_0") -> QuantTensor:
     return QuantTensor(qtype, raw, qt.shape)
 
 
+def quantise(w: torch.Tensor, qtype: str = "Q8_0") -> QuantTensor:
+    """A dense [N, K] matrix as `qtype` blocks by the gguf package (K a multiple of its block)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    f = QUANT_TYPES[qtype]
+    if w.dim() != 2 or w.shape[1] % f.rk:
+        raise ValueError(f"{qtype} needs a [N, K] matrix with K a multiple of {f.rk}, got {tuple(w.shape)}")
+    a = np.ascontiguousarray(w.detach().to(torch.float32).cpu().numpy())
+    return QuantTensor(qtype, quantize(a, GGMLQuantizationType[qtype]), tuple(w.shape))
+
+
 def _f16(b: np.ndarray) -> np.ndarray:
     """[..., 2] bytes -> [...] float16."""
     return np.ascontiguousarray(b).view(np.float16)[..., 0]
