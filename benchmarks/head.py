@@ -17,6 +17,7 @@ Held out: the chat set and HumanEval are never in a head's training data (specde
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import time
@@ -28,6 +29,8 @@ from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.head import load_head, shipped_head
 from specdec.head.model import HeadCache
 from specdec.loader import build_engine, load_models
+from specdec.runtime.kernels import prepare_weight
+from specdec.runtime.kernels.quant import QuantWeight
 from specdec.tools import bench
 from specdec.tools.prompts import load_prompts
 
@@ -67,6 +70,16 @@ def step_ab(models, head_dir: str | None, model: str, reps: int = 300) -> dict:
     return {"step_ms": {n: round(v, 4) for n, v in med.items()}, "fused_vs_torch": round(med["fused"] / med["torch"], 3)}
 
 
+def bf16_weights(proposer) -> None:
+    """The proposer's head drafting as before Q8_0: bf16 panels for its linears and output rows
+    (its own copy of the head; the engines beside it keep theirs)."""
+    head = copy.copy(proposer.head)
+    head._kernels = {n: prepare_weight(getattr(head, n).weight, "bf16") if isinstance(w, QuantWeight) else w
+                     for n, w in head._kernels.items()}
+    proposer.head = head
+    proposer.rows_out = prepare_weight(head.out[head.vocab < proposer.V], "bf16")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
@@ -85,7 +98,10 @@ def main() -> None:
     ap.add_argument("--composite", default="", metavar="K,K,...",
                     help="also the n-gram + head composite at these k (an integer or auto)")
     ap.add_argument("--ngram-min", default="1", help="the composite's shortest n-gram match (a list: one row each)")
-    ap.add_argument("--baseline-head", default=None, help="another head, benchmarked beside --head at k=auto")
+    ap.add_argument("--baseline-head", default=None, help="another head, benchmarked beside --head")
+    ap.add_argument("--baseline-ks", default="auto", help="the baseline head's k (a list)")
+    ap.add_argument("--bf16-ks", default="", metavar="K,K,...",
+                    help="also the head at these k drafting on bf16 weights and output rows (before Q8_0)")
     ap.add_argument("--step-ab", action="store_true", help="first time one draft step: fused vs torch ops")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -114,9 +130,15 @@ def main() -> None:
             spec = SpeculativeConfig(proposer="composite", head=a.head, num_draft_tokens=k, ngram_min=m)
             name = f"composite k={k}" + (f" ngram-min {m}" if a.ngram_min != "1" else "")
             configs.append(bench.Ours(name, build_engine(models, spec, 4096), k, "composite"))
-    if a.baseline_head:
-        spec = SpeculativeConfig(proposer="head", head=a.baseline_head, num_draft_tokens="auto")
-        configs.append(bench.Ours("baseline head k=auto", build_engine(models, spec, 4096), "auto", "head"))
+    for k in filter(None, a.bf16_ks.split(",")):
+        k = k if k == "auto" else int(k)
+        eng = build_engine(models, SpeculativeConfig(proposer="head", head=a.head, num_draft_tokens=k), 4096)
+        bf16_weights(eng.proposer)
+        configs.append(bench.Ours(f"head k={k} bf16 weights", eng, k, "head"))
+    for k in filter(None, a.baseline_ks.split(",") if a.baseline_head else []):
+        k = k if k == "auto" else int(k)
+        spec = SpeculativeConfig(proposer="head", head=a.baseline_head, num_draft_tokens=k)
+        configs.append(bench.Ours(f"baseline head k={k}", build_engine(models, spec, 4096), k, "head"))
     configs.append(bench.Ours("ngram k=auto", build_engine(models, SpeculativeConfig(proposer="ngram"), 4096),
                               "auto", "ngram"))
     if draft:

@@ -263,6 +263,23 @@ def test_head_flags_are_checked():
         build_engine(Models(tiny_model(**KW), None, None, 4, "nope", None), SpeculativeConfig(proposer="head", num_draft_tokens=2))
 
 
+def test_a_round_reads_the_features_it_needs_from_the_chunks_as_they_came(tiny):
+    """The proposer keeps a row's features as the rounds delivered them and reads only the tail a
+    round needs: the same values as joining them all first, at every offset, for few and for
+    many (> 64, joined once) chunks."""
+    _, head = tiny
+    p = head_proposer.HeadProposer(copy.deepcopy(head), 4, 64)
+    g = torch.Generator().manual_seed(1)
+    for sizes in ([5], [3, 1, 2, 1], [1] * 70 + [4]):
+        chunks = [torch.randn(n, p.F, generator=g) for n in sizes]
+        whole = torch.cat(chunks)
+        for i in range(len(whole) + 2):
+            p.feats[0] = list(chunks)
+            assert torch.equal(p._since(0, i), whole[i:]), (sizes, i)
+    p.feats[0] = []
+    assert p._since(0, 0).shape == (0, p.F)
+
+
 def test_held_out_acceptance_is_adaptive_ks_prior(tiny):
     """A head's held-out acceptance (head.json) becomes adaptive k's starting point for it:
     (first draft, later drafts), each set weighted by its rounds."""
