@@ -878,6 +878,57 @@ def test_corpus_chunks_are_seeded_sized_and_alternate():
     assert any("def " in bytes(ids).decode("utf-8", "replace") for k, ids in first if k == "corpus-code")
 
 
+class TokenIds:  # a tokenizer for prompts given as token ids: only what harvest reads
+    vocab_size = 4
+    eos_token_ids = [3]
+
+
+def test_harvest_samples_the_targets_tempered_distribution():
+    """The harvest's sampled answers (a share of the training data, and every user turn the
+    target writes) come from the target at the harvest's temperature: the joint of two answer
+    tokens (an answer ends early at eos) from 2,000 batched rows against the exact one, chi-square
+    at p > 1e-3. Control: the same samples against T = 1's joint, its noncentrality >= 400 first
+    (power ~1 at p < 1e-6 with <= 12 degrees of freedom), must be rejected; greedy rows take the
+    argmax."""
+    from specdec.head.data import harvest
+    from specdec.tools.distribution import chi2_sf
+
+    target = tiny_model(seed=11, **KW)
+    prompt = [1, 2, 0]
+
+    def probs(ids, temp):
+        cache = target.new_cache(1, 16)
+        lg = target.forward(torch.tensor([ids]), torch.arange(len(ids)).view(1, -1), cache)[0, -1]
+        return (lg.double() / temp).softmax(-1)
+
+    def joint(temp):
+        out, p1 = {}, probs(prompt, temp)
+        for a in range(4):
+            if a == 3:
+                out[(a,)] = float(p1[a])
+                continue
+            p2 = probs(prompt + [a], temp)
+            for b in range(4):
+                out[(a, b)] = float(p1[a] * p2[b])
+        return out
+
+    N, T = 2000, 0.4
+    seqs = harvest(target, TokenIds(), [("user", prompt)] * N, 2, 64, seed=0, sampled_share=1.0, temperature=T)
+    counts: dict = {}
+    for q in seqs:
+        key = tuple(q.tokens[len(prompt):])
+        counts[key] = counts.get(key, 0) + 1
+    want, control = joint(T), joint(1.0)
+    assert noncentrality(N, control, want) >= 400
+    _, dof, p = chi_square(counts, want)
+    assert p > 1e-3, (p, dof)
+    stat, dof, p_control = chi_square(counts, control)
+    assert p_control < 1e-6 and chi2_sf(stat, dof) < 1e-6
+    greedy = harvest(target, TokenIds(), [("user", prompt)] * 5, 2, 4, seed=0, sampled_share=0.0)
+    first = int(probs(prompt, 1.0).argmax())
+    assert all(q.tokens[len(prompt)] == first for q in greedy)
+
+
 def test_teacher_forced_features_equal_decoding_features():
     """The head trains on features from one prefill over a chunk and drafts from features of
     verify forwards a few tokens wide: both must be the same numbers (batch-invariant widths)."""
@@ -929,6 +980,14 @@ def test_train_head_command_end_to_end(tmp_path, capsys):
     requests = json.loads((out / "work" / "user_requests.json").read_text())  # ceil(3000 / 24) asked for
     assert report["train"]["user_requests"] == len(requests) and len(requests) <= 125
     assert report["held_out"]["chat"]["rounds"] > 0 and len(report["held_out"]["code"]["acceptance_at"]) == 5
+    from specdec.head.data import load_shards  # every 20th answer is measured after each epoch, never trained on
+    from specdec.head.train import VALIDATION_EVERY
+    answers, corpus = load_shards(out / "work"), load_shards(out / "work", "corpus")
+    kept = [i for i, _ in answers if i % VALIDATION_EVERY == VALIDATION_EVERY - 1]
+    assert report["train"]["validation_answers"] == len(kept) >= 1
+    assert report["train"]["sequences"] == len(answers) - len(kept) + len(corpus)
+    assert 1 <= len(report["train"]["validation"]) <= 2  # one per (part of an) epoch, --epochs 2
+    assert all(v["tokens_per_round"]["1"] >= 1 for v in report["train"]["validation"])
     head = DraftHead.load(out)
     assert head.cfg.draft_vocab == 256 and head.cfg.train["batch_pairs"] == 256 and head.cfg.taps == [0]
     assert "fuse.weight" in head.state_dict()

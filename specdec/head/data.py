@@ -24,6 +24,8 @@ from pydoc_data.topics import topics as PYTHON_REFERENCE
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from specdec.rejection import inverse_cdf
+
 MAX_PROMPT = 1024  # longer training prompts are skipped (the KV cache is sized for this)
 CORPUS_WINDOW = 512  # tokens per teacher-forced corpus chunk
 
@@ -329,19 +331,21 @@ def harvest(model, tokenizer, prompts: list[tuple[str, str | list[int]]], max_ne
             return
         rows[row] = None
 
-    def pick(r: dict) -> int:
-        lg = r["logits"][: tokenizer.vocab_size].float()
-        if r["sampled"]:
-            return int(torch.multinomial((lg / temperature).softmax(-1), 1, generator=gen))
-        return int(lg.argmax())
+    def pick(rs: list[dict]) -> list[int]:  # every live row's next token in one batched call
+        lg = torch.stack([r["logits"][: tokenizer.vocab_size] for r in rs]).float()
+        out = lg.argmax(-1)
+        sampled = [i for i, r in enumerate(rs) if r["sampled"]]
+        if sampled:  # (torch.multinomial took ~3 ms a row over SmolLM2's 49,152 tokens, inverse_cdf ~0.1)
+            u = torch.rand(len(sampled), generator=gen, dtype=torch.float64)
+            out[sampled] = inverse_cdf((lg[sampled] / temperature).softmax(-1), u)
+        return out.tolist()
 
     for row in range(batch):
         start(row)
     while any(r is not None for r in rows):
         live = [b for b, r in enumerate(rows) if r is not None]
-        for b in live:  # choose the next token; finish rows that are done
+        for b, t in zip(live, pick([rows[b] for b in live])):  # the next tokens; finish rows that are done
             r = rows[b]
-            t = pick(r)
             r["tokens"].append(t)
             if t in eos or len(r["tokens"]) - r["prompt_len"] >= max_new:
                 seq = Sequence(r["tokens"], torch.cat(r["hidden"]), r["prompt_len"], r["kind"], r["index"])

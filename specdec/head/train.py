@@ -42,6 +42,7 @@ TOP_W = 4  # held-out: how often the next token is among the first draft's top 1
 WINDOW = 384  # positions per training window
 REQUESTS_SHARE = 0.25  # most of the harvest's time the target may spend writing its own requests
 CHECKPOINT_S = 60.0  # seconds between checkpoints (a stopped run loses at most this much training)
+VALIDATION_EVERY = 20  # every 20th harvested answer is kept out of training: each epoch is measured on them
 
 
 @dataclass
@@ -304,7 +305,9 @@ def train_head(model, tokenizer, target: str, sha256: str, st: TrainSettings, co
                           on_sequence=on_chunk, taps=st.taps)
             cflush()
             save_state(corpus_done=True)
-        seqs = [s for _, s in have] + [s for _, s in corpus]
+        # answers the head never trains on, from the training prompts' own mix: the epoch-by-epoch check
+        val = [s for i, s in have if i % VALIDATION_EVERY == VALIDATION_EVERY - 1]
+        seqs = [s for i, s in have if i % VALIDATION_EVERY != VALIDATION_EVERY - 1] + [s for _, s in corpus]
         if not seqs:
             raise SpecdecError("no training data: the harvest budget ran out before one answer finished; "
                                "give --minutes more time", "minutes")
@@ -320,13 +323,13 @@ def train_head(model, tokenizer, target: str, sha256: str, st: TrainSettings, co
             init_from_layer(head, model, model.args.n_layers - 1)
         opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=st.lr, weight_decay=0.0)
         ckpt = work / "checkpoint.pt"
-        step = 0
+        step, validation = 0, []
         if ckpt.exists():
             saved = torch.load(ckpt, weights_only=False)
             if saved["config"] == cfg.__dict__ | {"train": {}, "held_out": {}}:
                 head.load_state_dict(saved["head"])
                 opt.load_state_dict(saved["opt"])
-                step = saved["step"]
+                step, validation = saved["step"], saved.get("validation", [])
         coverage = _coverage(seqs, ids)
         # held-out measurement needs a few minutes at the end: train until then
         reserve_s = min(90 + 4 * st.held_out_code, 12 * st.minutes)  # a fifth of a short budget
@@ -376,8 +379,17 @@ def train_head(model, tokenizer, target: str, sha256: str, st: TrainSettings, co
                 if time.monotonic() - saved_at > CHECKPOINT_S:
                     saved_at = time.monotonic()
                     torch.save({"config": cfg.__dict__ | {"train": {}, "held_out": {}}, "head": head.state_dict(),
-                                "opt": opt.state_dict(), "step": step}, ckpt)
+                                "opt": opt.state_dict(), "step": step, "validation": validation}, ckpt)
             epoch += 1
+            if val:
+                head.eval()
+                v = acceptance(head, val)
+                head.train()
+                validation.append({"epochs": round(seen / max(n_pairs, 1), 2), "step": step, "loss": None if ema is None else round(ema, 4),
+                                   "acceptance_at": v.get("acceptance_at"),
+                                   "tokens_per_round": v.get("tokens_per_round")})
+                log(f"validation after {validation[-1]['epochs']} epochs ({len(val)} answers kept out): "
+                    f"acceptance by position {v.get('acceptance_at')}, tokens per round {v.get('tokens_per_round')}")
         head.eval()
         task = progress.add_task("held out", total=None, info="the target answers bench prompts")
         held = held_out_sequences(model, tokenizer, st)
@@ -388,12 +400,13 @@ def train_head(model, tokenizer, target: str, sha256: str, st: TrainSettings, co
                          + (" + chat prompts the target wrote" if requests else "") + ", answered by the target"
                          + ("; stdlib modules and the Python reference's prose, teacher-forced" if forced else ""),
                  "user_requests": len(requests), "sequences": len(seqs), "tokens": sum(len(s.tokens) for s in seqs), "pairs": n_pairs,
-                 "answered_tokens": sum(len(s.tokens) for s in seqs if not s.kind.startswith("corpus")),
+                 "answered_tokens": sum(len(s.tokens) for _, s in have),
                  "teacher_forced_tokens": sum(len(s.tokens) for s in seqs if s.kind.startswith("corpus")),
                  "epochs": round(seen / max(n_pairs, 1), 2), "steps": step, "seed": st.seed,
                  "minutes": st.minutes, "unrolled_steps": st.steps, "draft_vocab": len(ids),
                  "draft_vocab_coverage": coverage, "window": WINDOW, "lr": st.lr,
-                 "batch_pairs": st.tokens_per_batch, "warmup": st.warmup, "init_layer": st.init_layer}
+                 "batch_pairs": st.tokens_per_batch, "warmup": st.warmup, "init_layer": st.init_layer,
+                 "validation_answers": len(val), "validation": validation}
     cfg.held_out = results
     head.cfg = cfg
     head.save(st.out)
