@@ -891,7 +891,6 @@ def test_harvest_samples_the_targets_tempered_distribution():
     (power ~1 at p < 1e-6 with <= 12 degrees of freedom), must be rejected; greedy rows take the
     argmax."""
     from specdec.head.data import harvest
-    from specdec.tools.distribution import chi2_sf
 
     target = tiny_model(seed=11, **KW)
     prompt = [1, 2, 0]
@@ -922,8 +921,8 @@ def test_harvest_samples_the_targets_tempered_distribution():
     assert noncentrality(N, control, want) >= 400
     _, dof, p = chi_square(counts, want)
     assert p > 1e-3, (p, dof)
-    stat, dof, p_control = chi_square(counts, control)
-    assert p_control < 1e-6 and chi2_sf(stat, dof) < 1e-6
+    _, dof, p_control = chi_square(counts, control)
+    assert p_control < 1e-6
     greedy = harvest(target, TokenIds(), [("user", prompt)] * 5, 2, 4, seed=0, sampled_share=0.0)
     first = int(probs(prompt, 1.0).argmax())
     assert all(q.tokens[len(prompt)] == first for q in greedy)
@@ -981,9 +980,9 @@ def test_train_head_command_end_to_end(tmp_path, capsys):
     assert report["train"]["user_requests"] == len(requests) and len(requests) <= 125
     assert report["held_out"]["chat"]["rounds"] > 0 and len(report["held_out"]["code"]["acceptance_at"]) == 5
     from specdec.head.data import load_shards  # every 20th answer is measured after each epoch, never trained on
-    from specdec.head.train import VALIDATION_EVERY
+    from specdec.head.train import kept_out
     answers, corpus = load_shards(out / "work"), load_shards(out / "work", "corpus")
-    kept = [i for i, _ in answers if i % VALIDATION_EVERY == VALIDATION_EVERY - 1]
+    kept = [i for i, _ in answers if kept_out(i)]
     assert report["train"]["validation_answers"] == len(kept) >= 1
     assert report["train"]["sequences"] == len(answers) - len(kept) + len(corpus)
     assert 1 <= len(report["train"]["validation"]) <= 2  # one per (part of an) epoch, --epochs 2

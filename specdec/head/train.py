@@ -45,6 +45,11 @@ CHECKPOINT_S = 60.0  # seconds between checkpoints (a stopped run loses at most 
 VALIDATION_EVERY = 20  # every 20th harvested answer is kept out of training: each epoch is measured on them
 
 
+def kept_out(index: int) -> bool:
+    """Whether the harvested answer to prompt `index` is a validation answer (never trained on)."""
+    return index % VALIDATION_EVERY == VALIDATION_EVERY - 1
+
+
 @dataclass
 class TrainSettings:
     out: Path
@@ -306,8 +311,8 @@ def train_head(model, tokenizer, target: str, sha256: str, st: TrainSettings, co
             cflush()
             save_state(corpus_done=True)
         # answers the head never trains on, from the training prompts' own mix: the epoch-by-epoch check
-        val = [s for i, s in have if i % VALIDATION_EVERY == VALIDATION_EVERY - 1]
-        seqs = [s for i, s in have if i % VALIDATION_EVERY != VALIDATION_EVERY - 1] + [s for _, s in corpus]
+        val = [s for i, s in have if kept_out(i)]
+        seqs = [s for i, s in have if not kept_out(i)] + [s for _, s in corpus]
         if not seqs:
             raise SpecdecError("no training data: the harvest budget ran out before one answer finished; "
                                "give --minutes more time", "minutes")
@@ -385,11 +390,12 @@ def train_head(model, tokenizer, target: str, sha256: str, st: TrainSettings, co
                 head.eval()
                 v = acceptance(head, val)
                 head.train()
-                validation.append({"epochs": round(seen / max(n_pairs, 1), 2), "step": step, "loss": None if ema is None else round(ema, 4),
-                                   "acceptance_at": v.get("acceptance_at"),
-                                   "tokens_per_round": v.get("tokens_per_round")})
-                log(f"validation after {validation[-1]['epochs']} epochs ({len(val)} answers kept out): "
-                    f"acceptance by position {v.get('acceptance_at')}, tokens per round {v.get('tokens_per_round')}")
+                v = {"epochs": round(seen / max(n_pairs, 1), 2), "step": step,
+                     "loss": None if ema is None else round(ema, 4),
+                     "acceptance_at": v.get("acceptance_at"), "tokens_per_round": v.get("tokens_per_round")}
+                validation.append(v)
+                log(f"validation after {v['epochs']} epochs ({len(val)} answers kept out): acceptance by "
+                    f"position {v['acceptance_at']}, tokens per round {v['tokens_per_round']}")
         head.eval()
         task = progress.add_task("held out", total=None, info="the target answers bench prompts")
         held = held_out_sequences(model, tokenizer, st)
