@@ -8,7 +8,7 @@ path, the target's KV for that path is compacted into place.
     node's RoPE position equal to its slot, i.e. no tree positions);
   - greedy speculative output equals plain greedy, batched, with rows that take the chain path
     (penalties) beside tree rows, and accepted paths that went through later siblings;
-  - a 200,000-sample chi-square test of the real loop with its negative control.
+  - a 48,000-sample chi-square test of the real loop with its negative control.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def test_exact_test_catches_a_missing_residual(models, monkeypatch):
     real = tree_mod.residual_distribution
     monkeypatch.setattr(tree_mod, "residual_distribution", lambda r, q, d: r)
     params = SamplingParams(max_tokens=16, temperature=1.0)
-    for widths, kind in (((3, 2), "greedy"), ((2,), "probabilistic")):  # both candidate kinds
+    for widths, kind in (((3,), "greedy"), ((2,), "probabilistic")):  # both candidate kinds
         got = engine_joint_exact(tree_engine(target, draft, widths, draft_sampling=kind), PROMPT, params)
         assert _max_diff(got, target_joint_exact(target, PROMPT, params)) > 1e-3, (widths, kind)
     assert real is not None
@@ -94,7 +94,7 @@ def test_exact_test_catches_positions_equal_to_slots(models, monkeypatch):
         return feed, slots.clone(), slots, mask
     monkeypatch.setattr(trees, "forward_inputs", no_tree_positions)
     params = SamplingParams(max_tokens=16, temperature=1.0)
-    got = engine_joint_exact(tree_engine(target, draft, (3, 2), draft_sampling="greedy"), PROMPT, params)
+    got = engine_joint_exact(tree_engine(target, draft, (3,), draft_sampling="greedy"), PROMPT, params)
     assert _max_diff(got, target_joint_exact(target, PROMPT, params)) > 1e-3
 
 
@@ -130,13 +130,15 @@ def test_draft_tree_flag_is_checked():
     assert SpeculativeConfig(draft="x", draft_tree="3, 2").draft_tree == (3, 2)
 
 
-N_SAMPLES, BATCH = 200_000, 4000
+# 48,000 samples: the control's noncentrality is then ~20,000, far past the 400 asserted (it was
+# 200,000, which cost minutes and bought no power the control needs)
+N_SAMPLES, BATCH = 48_000, 4000
 STAT = SamplingParams(temperature=1.0, max_tokens=3)
 
 
 @pytest.mark.parametrize("control", [None, "no_residual"])
 def test_tree_samples_match_target(models, control, monkeypatch):
-    """200,000 samples of the first 3 tokens from the real batched loop with a (2, 1) tree of
+    """48,000 samples of the first 3 tokens from the real batched loop with a (2, 1) tree of
     children drawn without replacement; Pearson
     chi-square against the target's exact joint: pass at p > 1e-3. The control's exact joint gives
     its noncentrality; >= 400 with ~60 degrees of freedom is rejected at p < 1e-6 with probability
