@@ -27,8 +27,7 @@ DEMO_PROMPT := "Write a Python function that checks whether a string is a palind
 # tok/s against plain's 31; the default composite 37-43 with k = auto, 35-40 at k = 4, where
 # every weak n-gram match drafts), so the speed-up is on screen.
 demo: $(STAMP)
-	$(PY) -m specdec.cli models fetch qwen2.5-coder-1.5b
-	$(PY) -m specdec.cli models fetch qwen2.5-coder-0.5b
+	$(PY) -m specdec.cli models fetch qwen2.5-coder-1.5b qwen2.5-coder-0.5b
 	@echo "== plain decoding =="
 	$(PY) -m specdec.cli generate --model qwen2.5-coder-1.5b --temperature 0 --max-tokens 160 \
 	    --threads 2 $(DEMO_PROMPT)
@@ -42,8 +41,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -x
 
 test-slow: $(STAMP)
-	$(PY) -m specdec.cli models fetch qwen2.5-coder-1.5b
-	$(PY) -m specdec.cli models fetch qwen2.5-coder-0.5b
+	$(PY) -m specdec.cli models fetch qwen2.5-coder-1.5b qwen2.5-coder-0.5b
 	$(PY) -m pytest -q -m slow
 
 # Optional, for benchmarks/llamacpp.py only (never a runtime dependency): llama-cpp-python built

@@ -173,8 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     m = command(sub, "models", "list or fetch the registry's models")
     msub = m.add_subparsers(dest="models_cmd", required=True)
     command(msub, "list", "the registry's models: size, quantisation, fetched or not")
-    f = command(msub, "fetch", "download a registry model and check its size and SHA-256")
-    f.add_argument("name")
+    f = command(msub, "fetch", "download registry models and check their sizes and SHA-256")
+    f.add_argument("name", nargs="+", help="one or more registry names (see `models list`)")
     v = command(sub, "verify", "statistical test: is the output still exactly the target's?")
     _add_model_args(v, context=False)  # verify sizes its own context (prefix + n)
     _add_spec_args(v)
@@ -258,12 +258,14 @@ def cmd_models(a) -> int:
     from rich.console import Console
     from rich.progress import Progress
 
-    if a.name not in hub.REGISTRY:  # before the progress bar: the error is then the only line
-        raise SpecdecError(f"unknown model {a.name!r}; known: {', '.join(hub.REGISTRY)}", "name")
-    with Progress(console=Console(stderr=True)) as prog:  # stdout carries only the path
-        task = prog.add_task(f"fetch {a.name}", total=None)
-        path = hub.fetch(a.name, progress=lambda s: prog.update(task, description=s))
-    print(path)
+    for name in a.name:  # every name before any download: the error is then the only line
+        if name not in hub.REGISTRY:
+            raise SpecdecError(f"unknown model {name!r}; known: {', '.join(hub.REGISTRY)}", "name")
+    for name in dict.fromkeys(a.name):
+        with Progress(console=Console(stderr=True)) as prog:  # stdout carries only the paths
+            task = prog.add_task(f"fetch {name}", total=None)
+            path = hub.fetch(name, progress=lambda s: prog.update(task, description=s))
+        print(path, flush=True)
     return 0
 
 

@@ -125,6 +125,7 @@ CLI_CASES = {
                                              ["max_draft_tokens=4 is not used", "allowed"]),
     "bench max_model_len past the model's": (B + ["--max-model-len", "100000"], ["max_model_len=100000", f"allowed [2, {CTX}]"]),
     "models fetch unknown": (["models", "fetch", "no-such-model"], ["unknown model 'no-such-model'", "known:"]),
+    "models fetch one unknown of two": (["models", "fetch", "smollm2-135m", "nope"], ["unknown model 'nope'", "known:"]),
 }
 
 
@@ -322,6 +323,27 @@ def test_models_fetch_progress_goes_to_stderr(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(hub, "fetch", fake_fetch)
     assert main(["models", "fetch", "smollm2-135m"]) == 0
     assert capsys.readouterr().out == f"{tmp_path / 'm.gguf'}\n"
+
+
+def test_models_fetch_several_names_checks_all_first(monkeypatch, capsys, tmp_path):
+    """`models fetch A B` prints one path per model, in order, once each; an unknown name among
+    them is refused before anything is downloaded."""
+    from specdec.runtime import hub
+
+    fetched = []
+
+    def fake_fetch(name, progress=print):
+        fetched.append(name)
+        return tmp_path / f"{name}.gguf"
+
+    monkeypatch.setattr(hub, "fetch", fake_fetch)
+    names = list(hub.REGISTRY)[:2]
+    assert main(["models", "fetch", *names, names[0]]) == 0
+    assert capsys.readouterr().out.splitlines() == [str(tmp_path / f"{n}.gguf") for n in names]
+    assert fetched == names
+    fetched.clear()
+    assert main(["models", "fetch", names[0], "no-such-model"]) != 0
+    assert fetched == []
 
 
 # ---- random values at every field --------------------------------------------------------------
