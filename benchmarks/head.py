@@ -1,5 +1,5 @@
 """The draft head against the other proposers: plain decoding, the head at fixed k and adaptive k,
-n-gram lookup (adaptive k), and for the Qwen pair the 0.5B draft (q4_0, k = 4, the demo's), on
+n-gram lookup (adaptive k), and for the Qwen pair the 0.5B draft (q4_0, k = 4, the demo's, or `--draft-ks`), on
 the same prompts, interleaved per prompt (`specdec bench`'s own runner and table). Decode
 tokens/s exclude the prompt; speedups are per-prompt ratios to plain, median over prompts; greedy
 speculative output must equal plain token for token (`greedy_mismatches`).
@@ -85,6 +85,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--head", default=None, help="a trained head (default: the shipped one)")
     ap.add_argument("--draft", action="store_true", help="also the 0.5B draft (Qwen pair)")
+    ap.add_argument("--draft-ks", default="4", help="the 0.5B draft's k (a list; auto: adaptive)")
     ap.add_argument("--prompts", default="chat")
     ap.add_argument("--num-prompts", type=int, default=10)
     ap.add_argument("--ks", default="2,3,4,auto")
@@ -141,9 +142,10 @@ def main() -> None:
         configs.append(bench.Ours(f"baseline head k={k}", build_engine(models, spec, 4096), k, "head"))
     configs.append(bench.Ours("ngram k=auto", build_engine(models, SpeculativeConfig(proposer="ngram"), 4096),
                               "auto", "ngram"))
-    if draft:
-        spec = SpeculativeConfig(draft=draft, proposer="draft", num_draft_tokens=4, draft_dtype="q4_0")
-        configs.append(bench.Ours("draft 0.5b q4_0 k=4", build_engine(models, spec, 4096), 4, "draft"))
+    for k in filter(None, a.draft_ks.split(",") if draft else []):
+        k = k if k == "auto" else int(k)
+        spec = SpeculativeConfig(draft=draft, proposer="draft", num_draft_tokens=k, draft_dtype="q4_0")
+        configs.append(bench.Ours(f"draft 0.5b q4_0 k={k}", build_engine(models, spec, 4096), k, "draft"))
     runs = bench.run_bench(models, settings, configs,
                            progress=lambda what: print(what, flush=True) if "prompt" in what else None)
     summary = bench.summarise(runs, configs, settings.params)
