@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdec.errors import SpecdecError
-from specdec.runtime.weights import cache_error, cache_root, fsync, resolve_checkpoint, writable_cache_dir
+from specdec.runtime.cache import cache_error, cache_root, fsync, writable_cache_dir
+from specdec.runtime.weights import resolve_checkpoint
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,8 @@ import torch
 from specdec.runtime import kernels
 from specdec.runtime.kernels import quant
 from specdec.runtime.model import Part, Transformer
-from specdec.runtime.weights import cache_root, conversion_key, fsync
+from specdec.runtime.cache import cache_root, fsync
+from specdec.runtime.weights import conversion_key
 
 log = logging.getLogger(__name__)
 
