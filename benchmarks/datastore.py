@@ -95,7 +95,7 @@ def answers(models, n: int, cache: str | None) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def round_starts(models, head, store: Datastore, seqs) -> list[tuple]:
+def round_starts(head, store: Datastore, seqs) -> list[tuple]:
     """Per round start: (head run, datastore run, its match length, its share, context run, its length)."""
     rows = []
     for s in seqs:
@@ -135,8 +135,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     out = {}
     for name, ps in sets.items():
-        rows = round_starts(models, head, store, harvest(models.target, models.tokenizer, ps, 192, 32, 0,
-                                                          sampled_share=0.0))
+        rows = round_starts(head, store, harvest(models.target, models.tokenizer, ps, 192, 32, 0,
+                                                 sampled_share=0.0))
         mean = lambda f: sum(map(f, rows)) / len(rows)  # noqa: E731
         base = lambda r: r[4] if r[5] >= 3 else min(r[0], 1)  # noqa: E731
 
