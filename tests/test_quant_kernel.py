@@ -238,6 +238,54 @@ def test_kernel_extreme_codes_do_not_saturate(qtype, code_byte, sign):
             assert torch.equal(yi[0], y[i]), (isa, i)
 
 
+# Byte ranges of the K-quants' sub-block scale fields (GGUF layout) and the bytes that put them
+# at their extremes: Q4_K's 6-bit scales and mins all 63 (0xFF), Q6_K's int8 scales -128 (0x80).
+SCALE_BYTES = {"Q4_K": ((4, 16), 0xFF), "Q6_K": ((192, 208), 0x80)}
+
+
+@pytest.mark.parametrize("code_byte", [0xFF, 0x00])
+@pytest.mark.parametrize("m", [9, 13, 40, 100])
+def test_wide_k_quant_routine_at_its_bounds(code_byte, m):
+    """The AVX-512 routine for calls of more than 8 rows of K-quants (groups of up to 12 rows,
+    scales shifted by each row's block exponent, Q6_K's offset folded into int16 pairs, see
+    avx512::panel_wide) forms each record's integer sum in another order than the narrow
+    routines: here at its bounds, with every code and every sub-block scale at its extreme, a
+    Q4_K and a Q6_K segment fused in one call, |xq| = 127 and 32-blocks 1, 1/2, 1/4, 1/8 and 1/16
+    of the row's largest (every exponent 0..3).  Each row equals the row computed alone on the
+    AVX2 routine, bit for bit, and the exact math within its bound; a wrong wrap, an int16 pair
+    out of range or a row of another group would be off by far more."""
+    if not have_kernel():
+        pytest.skip("no C++ kernel on this CPU")
+    k = 1024
+    parts = []
+    for i, qtype in enumerate(("Q4_K", "Q6_K")):
+        f = Q.QUANT_TYPES[qtype]
+        n = 21 + 12 * i
+        raw = random_blocks(qtype, n, k, seed=11 + i).raw.reshape(n, k // f.block, f.tsize).copy()
+        for a, b in CODE_BYTES[qtype]:
+            raw[..., a:b] = code_byte
+        (a, b), v = SCALE_BYTES[qtype]
+        raw[..., a:b] = v
+        parts.append(Q.QuantTensor(qtype, raw.reshape(n, -1), (n, k)))
+    qw = Q.prepare_quant(parts)
+    g = torch.Generator().manual_seed(m)
+    sign = torch.where(torch.rand(m, 1, generator=g) < 0.5, -1.0, 1.0)
+    blocks = torch.tensor([1.0, 0.5, 0.25, 0.125, 0.0625]).repeat(k // 32 // 5 + 1)[: k // 32]
+    x = sign * blocks.repeat_interleave(32) * (1 + 0.01 * torch.rand(m, k, generator=g))
+    call = lambda xx, isa, nt=2: Q._ext.qlinear(xx.contiguous(), qw.packed, list(qw.fids), [p.shape[0] for p in parts],
+                                               None, nt, isa)
+    y = call(x, 0)
+    o = 0
+    for p in parts:
+        check_against_exact(y[:, o:o + p.shape[0]], x, p)
+        o += p.shape[0]
+    for isa in isas():
+        assert torch.equal(call(x, isa), y), isa
+        assert torch.equal(call(x, isa, 1), y), isa
+    for i in range(m):
+        assert torch.equal(call(x[i:i + 1], 2, 1)[0], y[i]), i
+
+
 @pytest.mark.parametrize("qtype", TYPES)
 def test_fused_segments_many_rows_and_fallback(qtype, monkeypatch):
     """Mixed-format row blocks in one call (as q/k/v fuse), M = 40 rows, bias; the torch

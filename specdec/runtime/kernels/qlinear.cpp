@@ -201,6 +201,13 @@ struct Act {
   // grouping never changes a row's sums): group g is rows grp[g] .. grp[g+1]-1.
   const int64_t* grp;
   int64_t ng;
+  // AVX-512 wide K-quant calls (see avx512::panel_wide), per row group of R rows starting at row
+  // g0 (of the row block): xw at g0 * K, xq8's bytes group-major (k-step s, row r at 4 (s R + r));
+  // at g0 * (K / 32), per 32-block b and row r at b R + r: shw = 64 sh (a byte offset into a
+  // record's scale table) and nsw = the int16 pair (-(S16 << sh) of the first 16 k, of the next 16).
+  const int8_t* xw = nullptr;
+  const int32_t* shw = nullptr;
+  const int32_t* nsw = nullptr;
 };
 
 constexpr int XE = 3;  // largest per-32 exponent inside a 256-block (see the header)
@@ -331,8 +338,10 @@ struct Avx2Rows {
     }
   }
 
+  template <bool Pre = false>  // (decoded records are the AVX-512 routine's only)
   static void run(const uint8_t* lo, const uint8_t* hi, const Act& a, int64_t m0, int64_t k0,
                   const Rec<F, false>& rs, float* acc, const uint8_t* pf) {
+    static_assert(!Pre, "the AVX2 routine decodes its own codes");
     if constexpr (kquant<F>()) {
       run_kq(lo, hi, a, m0, k0, rs, acc, pf);
     } else {
@@ -478,10 +487,24 @@ inline __m512i decode(const uint8_t* lo, const uint8_t* hi, int s) {
   }
 }
 
+// A record's codes, decoded: 64 bytes per k-step at codes (64-byte aligned).  pf: a record's
+// worth of lines to prefetch, one per k-step (as the narrow routine spreads its prefetches; a
+// burst of a record's lines stalls on the fill buffers), or nullptr.
+template <int F>
+void decode_record(const uint8_t* lo, const uint8_t* hi, uint8_t* codes, const uint8_t* pf = nullptr) {
+#pragma GCC unroll 8
+  for (int t = 0; t < Traits<F>::rk / 4; ++t) {
+    if (pf != nullptr && 64 * t < rec_bytes<F>()) _mm_prefetch(reinterpret_cast<const char*>(pf + 64 * t), _MM_HINT_T0);
+    _mm512_store_si512(codes + 64 * t, decode<F>(lo, hi, t));
+  }
+}
+
+// Pre: lo is the record's codes already decoded, 64 bytes per k-step (see panel).
 template <int F, int R>
 struct Rows {  // one record, R <= 8 rows
   static constexpr bool wide = true;
   static constexpr int pf_ahead = 6144;  // K-quant prefetch distance, bytes (see panel)
+  template <bool Pre = false>
   static void run(const uint8_t* lo, const uint8_t* hi, const Act& a, int64_t m0, int64_t k0,
                   const Rec<F, true>& rs, float* acc, const uint8_t* pf) {
     constexpr int sb = Traits<F>::sb, ns = sb / 4, nsub = Traits<F>::rk / sb;
@@ -501,7 +524,7 @@ struct Rows {  // one record, R <= 8 rows
       const int8_t* x = (kq ? a.xq8 : a.xq) + m0 * K + kb;
 #pragma GCC unroll 8
       for (int t = 0; t < ns; ++t) {
-        const __m512i w = decode<F>(lo, hi, j * ns + t);
+        const __m512i w = Pre ? _mm512_load_si512(lo + 64 * (j * ns + t)) : decode<F>(lo, hi, j * ns + t);
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
           int32_t x4;
@@ -563,6 +586,144 @@ struct Rows {  // one record, R <= 8 rows
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + (m0 + r) * NR, f[r]);
   }
 };
+
+// ---------------------------- Wide K-quant calls: groups of up to 12 rows --------------------
+// Calls of more than 8 rows (prompt chunks, batched verification) are compute-bound, and the
+// narrow routine above spends about a third of its vector operations outside vpdpbusd: per row
+// and sub-block a mullo by the scales, a shift by the activation's exponent and an add, and
+// scalar address arithmetic for 8 row pointers.  Here, per record, a table holds each sub-block's
+// scales shifted by every exponent (sc << s, s = 0 .. XE), so the shift rides in the multiplier:
+//   (I * sc) << sh = I * (sc << sh)   (exact in int32: the same products, wrapped the same way);
+// Q6_K's offset term (-32 * sc * S16 per 16 k, shifted) is one vpdpwssd per row and 32-block
+// against int16 pairs the activation side precomputes (nsw: -(S16 << sh), |.| <= 2032 * 8) with
+// the scales times 32 (|.| <= 4096): C = sum I * (sc << sh) + sum (32 sc) . (-(S16 << sh)), the
+// narrow routine's C term for term, summed in another order (integer sums wrap mod 2^32 and the
+// total is within int32: the same bits).  The activations are packed per row group (xw, shw,
+// nsw: one base pointer, constant offsets) and the record's codes decoded once for all groups.
+// Up to 12 rows share a decoded weight vector: 12 independent vpdpbusd chains hide its latency
+// (8 chains cap it at 1.6 per cycle on a 2-per-cycle, latency-5 unit).
+template <int F>
+struct WideRec {
+  static constexpr int nsub = Traits<F>::rk / Traits<F>::sb;
+  alignas(64) int32_t tab[nsub][XE + 1][NR];  // sc_j << s
+  alignas(64) int32_t mp32[F == Q6_K ? nsub / 2 : 1][NR];  // Q6_K: the scale pairs times 32 (int16 pairs)
+  void load(const Rec<F, true>& rs) {
+    for (int j = 0; j < nsub; ++j) {
+      const __m512i sc = _mm512_load_si512(rs.sc + j * NR);
+      for (int e = 0; e <= XE; ++e) _mm512_store_si512(tab[j][e], _mm512_slli_epi32(sc, static_cast<unsigned>(e)));
+    }
+    if constexpr (F == Q6_K)
+      for (int i = 0; i < nsub / 2; ++i) _mm512_store_si512(mp32[i], _mm512_slli_epi16(_mm512_load_si512(rs.mp + i * NR), 5));
+  }
+};
+
+template <int F, int R>
+struct WideRows {  // one record, R <= 12 rows of one group
+  static void run(const uint8_t* codes, const Act& a, int64_t g0, int64_t k0, const Rec<F, true>& rs,
+                  const WideRec<F>& wr, float* acc) {
+    constexpr int sb = Traits<F>::sb, ns = sb / 4, nsub = Traits<F>::rk / sb;
+    const int64_t K = a.K, n32 = K / 32;
+    const int8_t* x = a.xw + g0 * K + k0 * R;  // the record's first k-step (k0 / 4 steps of 4 R bytes)
+    const int32_t* shw = a.shw + g0 * n32 + (k0 / 32) * R;
+    const int32_t* nsw = a.nsw + g0 * n32 + (k0 / 32) * R;
+    const uint8_t* tab = reinterpret_cast<const uint8_t*>(wr.tab);
+    __m512i c[R];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) c[r] = _mm512_setzero_si512();
+    for (int j = 0; j < nsub; ++j) {
+      __m512i cj[R];
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) cj[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int t = 0; t < ns; ++t) {
+        const __m512i w = _mm512_load_si512(codes + 64 * (j * ns + t));
+        const int8_t* xs = x + 4 * R * (j * ns + t);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          int32_t x4;
+          std::memcpy(&x4, xs + 4 * r, 4);
+          cj[r] = _mm512_dpbusd_epi32(cj[r], w, _mm512_set1_epi32(x4));
+        }
+      }
+      const int b = j * sb / 32;  // the 32-block of the record holding sub-block j
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const __m512i scs = _mm512_load_si512(tab + j * (XE + 1) * 64 + shw[b * R + r]);
+        c[r] = _mm512_add_epi32(c[r], _mm512_mullo_epi32(cj[r], scs));
+      }
+      if constexpr (F == Q6_K)
+        if (j % 2 == 1) {
+          const __m512i m32 = _mm512_load_si512(wr.mp32[j / 2]);
+#pragma GCC unroll 16
+          for (int r = 0; r < R; ++r) c[r] = _mm512_dpwssd_epi32(c[r], m32, _mm512_set1_epi32(nsw[b * R + r]));
+        }
+    }
+    // The record's fp32 steps, the narrow routine's (Rows::run) operation for operation.
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = g0 + r;
+      const __m512 dx = _mm512_set1_ps(a.dx8[m * (K / 256) + k0 / 256]);
+      __m512 f = _mm512_fmadd_ps(_mm512_load_ps(rs.ws), _mm512_mul_ps(_mm512_cvtepi32_ps(c[r]), dx),
+                                 _mm512_loadu_ps(acc + m * NR));
+      if constexpr (F == Q4_K) {
+        __m512i cm = _mm512_setzero_si512();
+        for (int i = 0; i < nsub / 2; ++i)  // (vpdpwssd: madd + add in one, the same exact sums)
+          cm = _mm512_dpwssd_epi32(cm, _mm512_load_si512(rs.mp + i * NR), _mm512_set1_epi32(a.tp[m * (K / 64) + k0 / 64 + i]));
+        f = _mm512_fmadd_ps(_mm512_load_ps(rs.wm), _mm512_mul_ps(_mm512_cvtepi32_ps(cm), dx), f);
+      }
+      _mm512_storeu_ps(acc + m * NR, f);
+    }
+  }
+};
+
+// One panel (16 outputs) of a K-quant for all M rows of a wide call (the row groups of a.grp).
+template <int F>
+void panel_wide(const uint8_t* p, int64_t nrec, const Act& a, int64_t M, float* acc) {
+  static_assert(F == Q4_K || F == Q6_K, "the wide routine is the K-quants'");
+  constexpr int rb = rec_bytes<F>();
+  std::memset(acc, 0, sizeof(float) * M * NR);
+  Rec<F, true> rs;
+  WideRec<F> wr;
+  alignas(64) uint8_t codes[Traits<F>::rk / 4 * 64];
+  for (int64_t rec = 0; rec < nrec; ++rec) {
+    const uint8_t* s = p + rec * rb;
+    rs.load(s);
+    wr.load(rs);
+    const uint8_t* lo = s + Traits<F>::sbytes;
+    decode_record<F>(lo, lo + lo_bytes<F>(), codes, s + Rows<F, 1>::pf_ahead);
+    const int64_t k0 = rec * Traits<F>::rk;
+    for (int64_t g = 0; g < a.ng; ++g) {
+      const int64_t g0 = a.grp[g];
+      switch (a.grp[g + 1] - g0) {
+#define SPECDEC_WIDE(R) case R: WideRows<F, R>::run(codes, a, g0, k0, rs, wr, acc); break;
+        SPECDEC_WIDE(1) SPECDEC_WIDE(2) SPECDEC_WIDE(3) SPECDEC_WIDE(4) SPECDEC_WIDE(5) SPECDEC_WIDE(6)
+        SPECDEC_WIDE(7) SPECDEC_WIDE(8) SPECDEC_WIDE(9) SPECDEC_WIDE(10) SPECDEC_WIDE(11)
+        default: WideRows<F, 12>::run(codes, a, g0, k0, rs, wr, acc); break;
+#undef SPECDEC_WIDE
+      }
+    }
+  }
+}
+
+// Pack 256-blocks u0 .. u1-1 (row-major over M rows, as quantise_rows<256>) into the wide layout
+// (see Act): gs[m] = the first row of row m's group, gn[m] = its rows.
+void wide_pack(const int8_t* xq8, const int32_t* sh, const int32_t* sp16, int64_t K, int64_t u0, int64_t u1,
+               const int64_t* gs, const int64_t* gn, int8_t* xw, int32_t* shw, int32_t* nsw) {
+  const int64_t n32 = K / 32;
+  for (int64_t u = u0; u < u1; ++u) {
+    const int64_t m = u / (K / 256), b = u % (K / 256), g0 = gs[m], R = gn[m], r = m - g0;
+    const int32_t* src = reinterpret_cast<const int32_t*>(xq8 + m * K + b * 256);
+    int32_t* dst = reinterpret_cast<int32_t*>(xw + g0 * K) + r;
+    for (int64_t t = b * 64; t < b * 64 + 64; ++t) dst[t * R] = src[t - b * 64];
+    for (int64_t c = b * 8; c < b * 8 + 8; ++c) {
+      const int32_t e = sh[m * n32 + c], v = sp16[m * n32 + c];
+      const int32_t lo = -((static_cast<int32_t>(static_cast<int16_t>(v & 0xFFFF))) << e);
+      const int32_t hi = -((v >> 16) << e);
+      shw[g0 * n32 + c * R + r] = 64 * e;
+      nsw[g0 * n32 + c * R + r] = static_cast<int32_t>((static_cast<uint32_t>(lo) & 0xFFFFu) | (static_cast<uint32_t>(hi) << 16));
+    }
+  }
+}
 
 }  // namespace avx512
 #pragma GCC pop_options
@@ -845,11 +1006,33 @@ void panel(const uint8_t* p, int64_t nrec, const Act& a, int64_t M, float* acc) 
 // ============================ Panels: one routine over a panel's records ====
 // One panel (16 outputs) for all M rows: acc [M][16] = the panel's sums.
 // Rows: the ISA's record routine for groups of <= MR rows.
+// Row group g of the record at lo, hi (Pre: lo = its decoded codes).
+template <int F, template <int, int> class Rows, int MR, bool Pre>
+inline void run_group(const uint8_t* lo, const uint8_t* hi, const Act& a, int64_t g, int64_t k0,
+                      const Rec<F, Rows<F, 1>::wide>& rs, float* acc, const uint8_t* pf) {
+  const int64_t m0 = a.grp[g], r = a.grp[g + 1] - m0;
+  switch (r) {
+    case 1: Rows<F, 1>::template run<Pre>(lo, hi, a, m0, k0, rs, acc, pf); break;
+    case 2: Rows<F, 2>::template run<Pre>(lo, hi, a, m0, k0, rs, acc, pf); break;
+    case 3: Rows<F, 3>::template run<Pre>(lo, hi, a, m0, k0, rs, acc, pf); break;
+    case 4: Rows<F, 4>::template run<Pre>(lo, hi, a, m0, k0, rs, acc, pf); break;
+    case 5: Rows<F, 5>::template run<Pre>(lo, hi, a, m0, k0, rs, acc, pf); break;
+    case 6: Rows<F, MR >= 6 ? 6 : 1>::template run<Pre>(lo, hi, a, m0, k0, rs, acc, pf); break;
+    case 7: Rows<F, MR >= 7 ? 7 : 1>::template run<Pre>(lo, hi, a, m0, k0, rs, acc, pf); break;
+    default: Rows<F, MR >= 8 ? 8 : 1>::template run<Pre>(lo, hi, a, m0, k0, rs, acc, pf); break;
+  }
+}
+
+// AVX-512, several row groups (M > 8): each record's codes are decoded once into `codes` (64
+// bytes per k-step, the vectors the routine would decode) and every group reads them, instead of
+// each group decoding them again.  The same vectors, so the same sums and bits.
 template <int F, template <int, int> class Rows, int MR>
 void panel(const uint8_t* p, int64_t nrec, const Act& a, int64_t M, float* acc) {
   constexpr int rb = rec_bytes<F>();
   std::memset(acc, 0, sizeof(float) * M * NR);
   Rec<F, Rows<F, 1>::wide> rs;
+  alignas(64) uint8_t codes[Rows<F, 1>::wide ? Traits<F>::rk / 4 * 64 : 64];
+  const bool pre = Rows<F, 1>::wide && a.ng > 1;
   for (int64_t rec = 0; rec < nrec; ++rec) {
     const uint8_t* s = p + rec * rb;
     // One sequential stream per thread, prefetched (past the end is harmless).  The K-quant
@@ -866,26 +1049,22 @@ void panel(const uint8_t* p, int64_t nrec, const Act& a, int64_t M, float* acc) 
     const uint8_t* lo = s + Traits<F>::sbytes;
     const uint8_t* hi = lo + lo_bytes<F>();
     const int64_t k0 = rec * Traits<F>::rk;
-    for (int64_t g = 0; g < a.ng; ++g) {
-      const int64_t m0 = a.grp[g], r = a.grp[g + 1] - m0;
-      const uint8_t* pf = g == 0 ? s + Rows<F, 1>::pf_ahead : nullptr;  // the first group prefetches
-      switch (r) {
-        case 1: Rows<F, 1>::run(lo, hi, a, m0, k0, rs, acc, pf); break;
-        case 2: Rows<F, 2>::run(lo, hi, a, m0, k0, rs, acc, pf); break;
-        case 3: Rows<F, 3>::run(lo, hi, a, m0, k0, rs, acc, pf); break;
-        case 4: Rows<F, 4>::run(lo, hi, a, m0, k0, rs, acc, pf); break;
-        case 5: Rows<F, 5>::run(lo, hi, a, m0, k0, rs, acc, pf); break;
-        case 6: Rows<F, MR >= 6 ? 6 : 1>::run(lo, hi, a, m0, k0, rs, acc, pf); break;
-        case 7: Rows<F, MR >= 7 ? 7 : 1>::run(lo, hi, a, m0, k0, rs, acc, pf); break;
-        default: Rows<F, MR >= 8 ? 8 : 1>::run(lo, hi, a, m0, k0, rs, acc, pf); break;
+    if constexpr (Rows<F, 1>::wide) {
+      if (pre) {
+        avx512::decode_record<F>(lo, hi, codes);
+        for (int64_t g = 0; g < a.ng; ++g)
+          run_group<F, Rows, MR, true>(codes, nullptr, a, g, k0, rs, acc, g == 0 ? s + Rows<F, 1>::pf_ahead : nullptr);
+        continue;
       }
     }
+    for (int64_t g = 0; g < a.ng; ++g)  // the first group prefetches
+      run_group<F, Rows, MR, false>(lo, hi, a, g, k0, rs, acc, g == 0 ? s + Rows<F, 1>::pf_ahead : nullptr);
   }
 }
 
 using PanelFn = void (*)(const uint8_t*, int64_t, const Act&, int64_t, float*);
 
-constexpr int kMrAvx2 = 5, kMrAvx512 = 8;  // rows per group (register budget of each ISA)
+constexpr int kMrAvx2 = 5, kMrAvx512 = 8, kMrWide = 12;  // rows per group (register budget of each routine)
 
 // The ISAs a call can run on (the isa argument): 2 AVX2, 512 AVX-512 VNNI, 1024 AMX int8 tiles.
 constexpr int64_t kAvx2 = 2, kAvx512 = 512, kAmx = 1024;
@@ -1109,6 +1288,10 @@ torch::Tensor qlinear(const torch::Tensor& x_in, const std::vector<torch::Tensor
   for (int64_t f : fmts)
     seg_isa.push_back(auto_isa && isa == kAvx512 && cpu_has_amx() && M >= amx_min_rows(f) ? kAmx : isa);
   const bool tiles = std::find(seg_isa.begin(), seg_isa.end(), kAmx) != seg_isa.end();
+  // A call of more than 8 rows of K-quants on AVX-512 runs the wide routine (avx512::panel_wide;
+  // the same bits as the narrow one, groups of up to 12 rows).
+  const bool wide = M > kMrAvx512 && !tiles && std::all_of(seg_isa.begin(), seg_isa.end(), [](int64_t i) { return i == kAvx512; }) &&
+                    std::all_of(fmts.begin(), fmts.end(), [](int64_t f) { return f == Q4_K || f == Q6_K; });
   std::vector<PanelFn> fns;
   std::vector<int64_t> nrec, off{0}, pstart{0};
   for (size_t i = 0; i < packed.size(); ++i) {
@@ -1120,7 +1303,8 @@ torch::Tensor qlinear(const torch::Tensor& x_in, const std::vector<torch::Tensor
                     t.size(0) == P && t.size(1) == nr && t.size(2) == record_bytes(fmts[i]),
                 "segment ", i, ": packed weight must be uint8 [", P, ", ", nr, ", ",
                 record_bytes(fmts[i]), "]");
-    fns.push_back(panel_fn(fmts[i], seg_isa[i]));
+    fns.push_back(wide ? (fmts[i] == Q4_K ? &avx512::panel_wide<Q4_K> : &avx512::panel_wide<Q6_K>)
+                       : panel_fn(fmts[i], seg_isa[i]));
     nrec.push_back(nr);
     off.push_back(off.back() + ns[i]);
     pstart.push_back(pstart.back() + P);
@@ -1156,6 +1340,14 @@ torch::Tensor qlinear(const torch::Tensor& x_in, const std::vector<torch::Tensor
   int32_t* const sp16 = b_sp16.get(need256 ? n32 : 0);
   int32_t* const tp = b_tp.get(need256 ? n32 / 2 : 0);
   int32_t* const cq = b_cq.get(need256 ? 2 * n32 : 0);
+  thread_local Scratch<int8_t> b_xw;
+  thread_local Scratch<int32_t> b_shw, b_nsw;
+  thread_local std::vector<int64_t> gs, gn;  // wide: each row's group (first row, rows)
+  const int64_t* gsp = nullptr;  // (the parallel region must use plain pointers, see below)
+  const int64_t* gnp = nullptr;
+  int8_t* const xw = b_xw.get(wide ? M * K : 0);
+  int32_t* const shw = b_shw.get(wide ? n32 : 0);
+  int32_t* const nsw = b_nsw.get(wide ? n32 : 0);
   float* const dx = b_dx.get(need32 ? n32 : 0);
   float* const dxs32 = b_dxs32.get(need32 ? n32 : 0);
   float* const dx8 = b_dx8.get(need256 ? M * K / 256 : 0);
@@ -1174,12 +1366,13 @@ torch::Tensor qlinear(const torch::Tensor& x_in, const std::vector<torch::Tensor
       quantise_rows<256>(xp, K, nb * t / nth, nb * (t + 1) / nth, xq8, dx8, nullptr, nullptr,
                          sh, sp16, tp, cq);
       if (split) amx::split(xq8, sh, K, nb * t / nth, nb * (t + 1) / nth, ah, al);
+      if (wide) avx512::wide_pack(xq8, sh, sp16, K, nb * t / nth, nb * (t + 1) / nth, gsp, gnp, xw, shw, nsw);
     }
   };
   // Row blocks of MB rows, each a pass over all panels (see row_block); per block, groups of <= MR
   // rows for the narrow routines.  Neither the blocks nor the groups change a row's bits.
   const int64_t MB = row_block(M, K), nblk = (M + MB - 1) / MB;
-  const int64_t MR = isa == kAvx2 ? kMrAvx2 : kMrAvx512;
+  const int64_t MR = isa == kAvx2 ? kMrAvx2 : wide ? kMrWide : kMrAvx512;
   // (The per-block bookkeeping lives in buffers this thread reuses across calls: allocating it
   // per call cost ~1.5% of a SmolLM2 decode step, ~1 us a call.)
   // The parallel region below must use the plain pointers (a thread_local name there is each
@@ -1190,6 +1383,7 @@ torch::Tensor qlinear(const torch::Tensor& x_in, const std::vector<torch::Tensor
   thread_local int64_t next_cap = 0;
   grp.clear();
   act_buf.clear();
+  if (wide) gs.resize(M), gn.resize(M), gsp = gs.data(), gnp = gn.data();
   for (int64_t bi = 0; bi < nblk; ++bi) {
     const int64_t mb = std::min(MB, M - bi * MB), ng = (mb + MR - 1) / MR;
     for (int64_t g = 0; g <= ng; ++g) grp.push_back(g * mb / ng);
@@ -1200,7 +1394,12 @@ torch::Tensor qlinear(const torch::Tensor& x_in, const std::vector<torch::Tensor
     act_buf.push_back(Act{K, at(xq, m0 * K), at(s32, m0 * (K / 32)), at(dx, m0 * (K / 32)),
                        at(dxs32, m0 * (K / 32)), at(xq8, m0 * K), at(dx8, m0 * (K / 256)),
                        at(sh, m0 * (K / 32)), at(sp16, m0 * (K / 32)), at(tp, m0 * (K / 64)),
-                       at(cq, m0 * (K / 16)), at(ah, m0 * K), at(al, m0 * K), grp.data() + gi, ng});
+                       at(cq, m0 * (K / 16)), at(ah, m0 * K), at(al, m0 * K), grp.data() + gi, ng,
+                       at(xw, m0 * K), at(shw, m0 * (K / 32)), at(nsw, m0 * (K / 32))});
+    if (wide) {
+      for (int64_t g = 0; g < ng; ++g)
+        for (int64_t m = grp[gi + g]; m < grp[gi + g + 1]; ++m) gs[m0 + m] = m0 + grp[gi + g], gn[m0 + m] = grp[gi + g + 1] - grp[gi + g];
+    }
     gi += ng + 1;
   }
   if (nblk > next_cap) {
@@ -1274,7 +1473,7 @@ torch::Tensor qlinear(const torch::Tensor& x_in, const std::vector<torch::Tensor
     }
     if (tiles) amx::release();
   }
-  b_xq.trim(), b_xq8.trim(), b_ah.trim(), b_al.trim(), b_cq.trim();  // (the rest are 1/16 of these or less)
+  b_xq.trim(), b_xq8.trim(), b_ah.trim(), b_al.trim(), b_cq.trim(), b_xw.trim();  // (the rest are 1/16 of these or less)
   return out;
 }
 
