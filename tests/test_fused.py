@@ -206,7 +206,8 @@ def test_fallback_matches_sdpa_reference():
 @given(data=st.data())
 def test_attend_grouped_equals_per_query(data):
     """Causal attention without a mask runs the grouped path (query tiles sharing a KV head);
-    the same causal pattern given as an explicit mask runs the per-query loop.  Same bits."""
+    the same causal pattern given as an explicit mask runs it with each query's list of visible
+    slots (a draft tree's way, attend_tile's vis).  Same bits."""
     qkv, positions, rows, _, kc, vc, H, Hkv, cos, sin = _attend_case(data)
     B, T, _ = qkv.shape
     causal = torch.ones(T, T, dtype=torch.bool).tril().expand(B, T, T)
@@ -215,6 +216,52 @@ def test_attend_grouped_equals_per_query(data):
     per_query = fused.attend(_plan(True, positions, rows, causal, cos, sin), qkv, k2, v2, H, Hkv)
     assert torch.equal(k1, k2) and torch.equal(v1, v2)
     assert torch.equal(grouped, per_query)
+
+
+@settings(max_examples=25, deadline=None)
+@given(T=st.integers(1, 90), history=st.integers(0, 70), Hkv=st.integers(1, 3), group=st.integers(1, 7),
+       D=st.sampled_from([8, 16, 24, 64, 128]), seed=st.integers(0, 9999))
+def test_attend_prompt_chunks_are_batch_invariant_at_any_thread_count(T, history, Hkv, group, D, seed):
+    """A prompt chunk (T new tokens after a history: the shapes prefill runs) at 1, 2 and 3
+    threads (the items cut into runs of equal work; the score pass four keys at a time, their
+    sums in one hsum4; partial last quads and tiles) gives the bits of each of its queries
+    computed alone (T = 1 over the same cache, as decoding would) and of the chunk under an
+    explicit causal mask.  Negative control: one query (seeing 2+ slots) moved by 1e-3 must
+    change that query's output and no other (position, head)'s."""
+    g = torch.Generator().manual_seed(seed)
+    H, cap = Hkv * group, history + T + 8
+    qkv = torch.randn(1, T, (H + 2 * Hkv) * D, generator=g)
+    kc = torch.randn(1, Hkv, cap, D, generator=g)
+    vc = torch.randn(1, Hkv, cap, D, generator=g)
+    cos, sin = rope_tables(D, cap, 10000.0)
+    positions = torch.arange(history, history + T)[None]
+    causal = torch.ones(T, T, dtype=torch.bool).tril()[None]
+
+    def run(x=qkv, mask=None, threads=2, pos=positions, k=kc, v=vc):
+        old = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return fused.attend(_plan(True, pos, None, mask, cos, sin), x, k, v, H, Hkv)
+        finally:
+            torch.set_num_threads(old)
+
+    kk, vv = kc.clone(), vc.clone()
+    ref = run(k=kk, v=vv, threads=1)  # (kk, vv now hold the chunk's keys and values)
+    for threads in (1, 2, 3):
+        assert torch.equal(run(k=kc.clone(), v=vc.clone(), threads=threads), ref), f"{threads} threads"
+    assert torch.equal(run(mask=causal, k=kc.clone(), v=vc.clone()), ref)
+    for t in sorted({0, T // 3, T // 2, T - 1}):
+        one = run(qkv[:, t:t + 1].contiguous(), pos=positions[:, t:t + 1], k=kk.clone(), v=vv.clone(), threads=1)
+        assert torch.equal(one[0, 0], ref[0, t]), f"position {t} alone"
+    t, h = T - 1, H - 1  # a query that sees history + T slots (one slot: its output is that value)
+    if history + T < 2:
+        return
+    moved = qkv.clone()
+    moved[0, t, h * D:(h + 1) * D] *= 1.001
+    diff = (run(moved, k=kc.clone(), v=vc.clone()) != ref)[0].view(T, H, D).any(-1)  # [T, H]
+    assert diff[t, h], "moving a query did not change its output"
+    diff[t, h] = False
+    assert not diff.any(), "moving one query changed another query's output"
 
 
 def _cpu_flags() -> set[str]:

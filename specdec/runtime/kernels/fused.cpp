@@ -49,6 +49,21 @@ inline float hsum(__m256 v) {  // fixed order: (lo + hi) then pairwise
   return _mm_cvtss_f32(s);
 }
 
+// hsum of four vectors at once, the same additions in the same order as hsum on each (so the
+// same bits): the lo + hi halves of two vectors in one add, then the pairwise steps four lanes
+// at a time; returns hsum(a0), hsum(a1), hsum(a2), hsum(a3) in lanes 0-3.  ~14 operations for
+// four sums against ~24 (hsum's extracts and shuffles were a third of a score's operations).
+inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 x = _mm256_add_ps(_mm256_permute2f128_ps(a0, a2, 0x20), _mm256_permute2f128_ps(a0, a2, 0x31));
+  const __m256 y = _mm256_add_ps(_mm256_permute2f128_ps(a1, a3, 0x20), _mm256_permute2f128_ps(a1, a3, 0x31));
+  // x = [b0 | b2], y = [b1 | b3], b = lo + hi; then s + movehl(s) for all four: lanes 0-1 of c_r
+  const __m256 z = _mm256_add_ps(_mm256_shuffle_ps(x, y, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm256_shuffle_ps(x, y, _MM_SHUFFLE(3, 2, 3, 2)));
+  // z = [c0 c0 c1 c1 | c2 c2 c3 c3]; then c_0 + c_1 (add_ss with movehdup) in lanes 0, 2, 4, 6
+  const __m256 r = _mm256_add_ps(z, _mm256_movehdup_ps(z));
+  return _mm256_castps256_ps128(_mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6)));
+}
+
 // exp(x) for 8 lanes: Cephes' expf (range reduction by ln 2 in two parts, degree-5 polynomial),
 // ~1 ulp; x < -87.3 gives 0, as softmax and silu want.
 inline __m256 exp8(__m256 x) {
@@ -113,6 +128,22 @@ inline void rope_rot(const float* x, const float* c, const float* s, float* y, i
   }
 }
 
+// max(-inf, x[0], ..., x[n-1]) skipping NaNs, as the loop m = std::max(m, x[j]) gives: 8 lanes
+// at a time (maxps returns its second operand, the running max, where x is NaN), then the
+// lanes and the tail.  A max is exact in any order; only a tie of -0 and +0 may come out with
+// the other sign, and every use subtracts it (x - 0 is x either way, exp(+-0) = 1).
+inline float max_of(const float* x, int64_t n) {
+  __m256 mv = _mm256_set1_ps(-INFINITY);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) mv = _mm256_max_ps(_mm256_loadu_ps(x + j), mv);
+  alignas(32) float lane[8];
+  _mm256_store_ps(lane, mv);
+  float m = -INFINITY;
+  for (int l = 0; l < 8; ++l) m = std::max(m, lane[l]);
+  for (; j < n; ++j) m = std::max(m, x[j]);
+  return m;
+}
+
 // The shortest and longest history of a tile's queries.
 inline void tile_span(int nt, const int64_t* n, int64_t& nmin, int64_t& nmax) {
   nmin = nmax = n[0];
@@ -141,8 +172,7 @@ inline void tile_softmax(int nt, const int64_t* n, float* sc, float* e, int64_t 
     float* si = sc + i * n8;
     float* ei = e + i * n8;
     const int64_t ni = n[i], ni8 = (ni + 7) / 8 * 8;
-    float m = -INFINITY;
-    for (int64_t j = 0; j < ni; ++j) m = std::max(m, si[j]);
+    const float m = max_of(si, ni);
     for (int64_t j = ni; j < ni8; ++j) si[j] = -INFINITY;
     const __m256 mv = _mm256_set1_ps(m);
     __m256 lv = _mm256_setzero_ps();
@@ -180,30 +210,37 @@ void attend_tile(const float* q, const int64_t* n, int64_t D, const float* kb, i
   int64_t nmin, nmax;
   tile_span(NT, n, nmin, nmax);
   if (vis) nmin = shared, nmax = top;  // (scores for slots 0 .. top-1; shared read by every query)
-  // scores, two keys per pass over d (2 x NT independent FMA chains); a key past a query's own
-  // n is scored but never read.  The rows 8 slots on are prefetched, values too (the first tile
-  // of a head meets them in DRAM: the cache of all layers is larger than L3's share)
-  for (int64_t j = 0; j < nmax; j += 2) {
-    const bool two = j + 1 < nmax;
-    const float* k0 = kb + j * ks;
-    const float* k1 = kb + (two ? j + 1 : j) * ks;
+  // scores, four keys per pass, for two queries at a time (8 independent FMA chains; the four
+  // keys' rows are read from L1 again by the tile's other pairs of queries), the four sums of a
+  // query in one hsum4; a key past a query's own n (or a row past nmax, read as the last one)
+  // is scored but never read, and the writes stay below n8 (a multiple of 8 >= nmax).  The
+  // rows 8 slots on are prefetched, values too (the first tile of a head meets them in DRAM:
+  // the cache of all layers is larger than L3's share)
+  const __m128 sv = _mm_set1_ps(scale);
+  for (int64_t j = 0; j < nmax; j += 4) {
+    const float* kr[4];
+    for (int r = 0; r < 4; ++r) kr[r] = kb + std::min(j + r, nmax - 1) * ks;
     prefetch_rows(kb, ks, vb, vs, j, nmax, D);
-    __m256 a0[NT], a1[NT];
-#pragma GCC unroll 8
-    for (int i = 0; i < NT; ++i) a0[i] = a1[i] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8) {
-      const __m256 kv0 = _mm256_loadu_ps(k0 + d), kv1 = _mm256_loadu_ps(k1 + d);
-#pragma GCC unroll 8
-      for (int i = 0; i < NT; ++i) {
-        const __m256 qv = _mm256_loadu_ps(q + i * D + d);
-        a0[i] = _mm256_fmadd_ps(qv, kv0, a0[i]);
-        a1[i] = _mm256_fmadd_ps(qv, kv1, a1[i]);
+    prefetch_rows(kb, ks, vb, vs, j + 2, nmax, D);
+#pragma GCC unroll 4
+    for (int i0 = 0; i0 < NT; i0 += 2) {
+      const bool pair = i0 + 1 < NT;
+      const float* q0 = q + i0 * D;
+      const float* q1 = q + (pair ? i0 + 1 : i0) * D;
+      __m256 a[2][4];
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) a[0][r] = a[1][r] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 qv0 = _mm256_loadu_ps(q0 + d), qv1 = _mm256_loadu_ps(q1 + d);
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; ++r) {
+          const __m256 kv = _mm256_loadu_ps(kr[r] + d);
+          a[0][r] = _mm256_fmadd_ps(qv0, kv, a[0][r]);
+          a[1][r] = _mm256_fmadd_ps(qv1, kv, a[1][r]);
+        }
       }
-    }
-#pragma GCC unroll 8
-    for (int i = 0; i < NT; ++i) {
-      sc[i * n8 + j] = hsum(a0[i]) * scale;
-      if (two) sc[i * n8 + j + 1] = hsum(a1[i]) * scale;
+      _mm_storeu_ps(sc + i0 * n8 + j, _mm_mul_ps(hsum4(a[0][0], a[0][1], a[0][2], a[0][3]), sv));
+      if (pair) _mm_storeu_ps(sc + (i0 + 1) * n8 + j, _mm_mul_ps(hsum4(a[1][0], a[1][1], a[1][2], a[1][3]), sv));
     }
   }
   float inv[NT];
@@ -489,6 +526,17 @@ torch::Tensor attend(const torch::Tensor& qkv, const torch::Tensor& positions, c
   constexpr int NQMAX = kWideTile;
   const int NQ = wide ? kWideTile : 6;
   const int64_t nqh = T * group, tiles = (nqh + NQ - 1) / NQ, items = B * Hkv * tiles;
+  // The grouped path's items cut into one contiguous run per thread of about equal work: an
+  // item costs about its queries times the slots its longest query sees (cost[it + 1] - cost[it],
+  // + 64 for its fixed part).  A causal prompt's later tiles see more slots, so equal counts of
+  // items (static) left a thread idle: SmolLM2's 3 KV heads over 2 threads split 1.25 : 1.75.
+  std::vector<int64_t> cost(grouped ? items + 1 : 0, 0);
+  for (int64_t it = 0; grouped && it < items; ++it) {
+    const int64_t b = it / (Hkv * tiles), q0 = it % tiles * NQ, tile = std::min<int64_t>(NQ, nqh - q0);
+    int64_t nmax = 0;
+    for (int64_t i = 0; i < tile; ++i) nmax = std::max(nmax, pos[b * T + (q0 + i) / group] + 1);
+    cost[it + 1] = cost[it] + tile * nmax + 64;
+  }
 #pragma omp parallel num_threads(nt) if (nt > 1 && work > 1)
   {
     // 1. the new keys (rotated) and values into the cache
@@ -503,15 +551,19 @@ torch::Tensor attend(const torch::Tensor& qkv, const torch::Tensor& positions, c
     std::vector<float> sc, e;
     if (grouped) {
       // Causal, no mask: a work item is (batch row, KV head, tile of up to NQ of its queries)
-      // (attend_tile).  Static, in item order: a thread takes whole heads where it can, so a
-      // head's keys and values come from DRAM once and from its own L2 for the later tiles
-      // (dynamic handed both threads tiles of the same head: 3.65 ms against 3.00 at T = 5).
-      // No query's arithmetic depends on its tile or thread.
+      // (attend_tile).  In item order, one run of about equal work per thread (cost, above): a
+      // thread takes whole heads where it can, so a head's keys and values come from DRAM once
+      // and from its own L2 for the later tiles (dynamic handed both threads tiles of the same
+      // head: 3.65 ms against 3.00 at T = 5).  No query's arithmetic depends on its tile or thread.
       std::vector<float> qt(NQMAX * D);
       std::vector<int32_t> vl[NQMAX];  // with a mask: each query's visible slots
       const int32_t* vis[NQMAX];
-#pragma omp for schedule(static)
-      for (int64_t it = 0; it < items; ++it) {
+      const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+      const auto cut = [&](int t) {  // the first item of thread t's run
+        return std::lower_bound(cost.begin(), cost.end() - 1, cost.back() * t / nth) - cost.begin();
+      };
+      const int64_t it0 = tid == 0 ? 0 : cut(tid), it1 = tid + 1 == nth ? items : cut(tid + 1);
+      for (int64_t it = it0; it < it1; ++it) {
         const int64_t b = it / (Hkv * tiles), kh = it / tiles % Hkv, q0 = it % tiles * NQ;
         const float* kb = kp + row[b] * ks0 + kh * ks1;
         const float* vb = vp + row[b] * vs0 + kh * vs1;
@@ -625,8 +677,7 @@ torch::Tensor attend(const torch::Tensor& qkv, const torch::Tensor& positions, c
         for (; d < D; ++d) s0 += q[d] * k0[d];
         sc[i] = s0 * scale;
       }
-      float m = -INFINITY;
-      for (i = 0; i < n; ++i) m = std::max(m, sc[i]);
+      const float m = max_of(sc.data(), n);
       for (i = n; i < n8; ++i) sc[i] = -INFINITY;  // exp gives 0: padding adds nothing
       const __m256 mv = _mm256_set1_ps(m);
       __m256 lv = _mm256_setzero_ps();
