@@ -273,17 +273,17 @@ def _cpu_flags() -> set[str]:
 def test_attend_avx512_tile_equals_the_256_bit_tile(T, group, D, history):
     """On AVX-512 the grouped path runs tiles of 12 queries with two keys per zmm (scores) and 16
     output lanes per zmm; each lane's arithmetic is the 256-bit tile's, so the bits are the same:
-    against SPECDEC_KERNEL=avx2 (the 256-bit tile of 6) and against the per-query loop (an explicit
-    causal mask), on prompt-like shapes (T new tokens after a history, partial last tiles).
+    against SPECDEC_KERNEL=avx2 (the 256-bit tile, also of 12, its output pass in two parts of up
+    to 6) and against an explicit causal mask (each query's list of visible slots), on prompt-like shapes (T new tokens after a history, partial last tiles).
     Negative control: one history key perturbed by 0.01 must change the output of every query of
     its KV head's query heads and of no other head."""
     ext = fused.build()
     if ext is None:
         pytest.skip("no fused extension on this CPU")
     wide = {"avx512f", "avx512dq", "avx512vl"} <= _cpu_flags()
-    assert ext.attend_tile_queries() == (12 if wide else 6)
+    assert ext.attend_tile_queries() == 12
     with _kernel_env("avx2"):
-        assert ext.attend_tile_queries() == 6
+        assert ext.attend_tile_queries() == 12
     if not wide:
         pytest.skip("this CPU has no AVX-512: the 256-bit tile is the only one (tested above)")
     g = torch.Generator().manual_seed(T * 1000 + D)

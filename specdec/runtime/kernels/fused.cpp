@@ -185,18 +185,45 @@ inline void tile_softmax(int nt, const int64_t* n, float* sc, float* e, int64_t 
   }
 }
 
+// The output pass's shared slots j0 .. j1-1 for NS <= 6 queries (rows e[i * n8 ..]): 2 x NS
+// accumulators (16 lanes from c) in registers, loaded from and stored back to a0, a1.
+constexpr int64_t kSlotBlock = 64;  // 64 slots x 16 lanes of values: 4 KiB
+
+template <int NS>
+inline void shared_slots(const float* e, int64_t n8, const float* vb, int64_t vs, int64_t c, bool w2, int64_t j0,
+                         int64_t j1, __m256* a0, __m256* a1) {
+  __m256 acc0[NS], acc1[NS];
+#pragma GCC unroll 8
+  for (int i = 0; i < NS; ++i) acc0[i] = a0[i], acc1[i] = a1[i];
+  for (int64_t j = j0; j < j1; ++j) {
+    const float* vr = vb + j * vs + c;
+    const __m256 v0 = _mm256_loadu_ps(vr), v1 = w2 ? _mm256_loadu_ps(vr + 8) : v0;
+#pragma GCC unroll 8
+    for (int i = 0; i < NS; ++i) {
+      const __m256 ev = _mm256_set1_ps(e[i * n8 + j]);
+      acc0[i] = _mm256_fmadd_ps(ev, v0, acc0[i]);
+      acc1[i] = _mm256_fmadd_ps(ev, v1, acc1[i]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < NS; ++i) a0[i] = acc0[i], a1[i] = acc1[i];
+}
+
 // Causal attention (no mask) of a tile of NT queries that share one KV head: query i sees slots
 // 0 .. n[i]-1.  Per query the arithmetic is attend's per-query loop, operation for operation: each
 // score is one FMA chain over d (8 lanes) then hsum, times scale; the softmax over the query's own
 // n; each output lane one FMA chain over the slots in order, times 1 / sum.  So the bits are the
 // same whatever the tile holds; only the loop nest differs: each key and value row is loaded once
 // for the tile, not once per query.  (At T = 5 a Qwen 1.5B KV head has 30 queries, and their
-// re-reads of its keys and values, from L2, were most of the attention time.)  NT <= 6 gives the
-// score pass 2 x 6 and the output pass 6 x 2 independent FMA chains (12 in flight hide the FMA
-// latency; 8 barely do) in 15 of the 16 ymm registers; every loop over the tile is unrolled, or
-// GCC keeps the accumulators in memory (a store per slot).  Hot in cache, one thread, Qwen
-// shapes (D = 128, 200 slots), cycles per query and slot: 48 (NT = 4, accumulators stored every
-// slot), 34 (NT = 4 unrolled), 27.6 (NT = 6 unrolled).
+// re-reads of its keys and values, from L2, were most of the attention time.)  NT <= 12: the
+// score pass runs 4 keys x 2 queries (8 independent FMA chains, the 4 sums in one hsum4), the
+// output pass 6 queries x 2 (12 chains in flight hide the FMA latency; 8 barely do) in 15 of the
+// 16 ymm registers, a tile of more than 6 in two parts over blocks of slots; every loop over
+// the tile is unrolled, or GCC keeps the accumulators in memory (a store per slot).  Hot in
+// cache, one thread, Qwen shapes (D = 128, 200 slots), cycles per query and slot: 48 (NT = 4,
+// accumulators stored every slot), 34 (NT = 4 unrolled), 27.6 (NT = 6 unrolled).  A long prompt
+// reads its keys and values from L3 (SmolLM2's 3 KV heads at 2,048 slots: 1 MiB each), so a
+// tile of 12 halves those reads against 6.
 // q: the tile's rotated queries [NT][D]; sc, e: [NT][n8] scratch (n8 = max n, or top with vis,
 // rounded up to 8).
 // A draft tree (vis): query i sees the n[i] slots vis[i][0..n[i]) (increasing): the shared
@@ -222,7 +249,7 @@ void attend_tile(const float* q, const int64_t* n, int64_t D, const float* kb, i
     for (int r = 0; r < 4; ++r) kr[r] = kb + std::min(j + r, nmax - 1) * ks;
     prefetch_rows(kb, ks, vb, vs, j, nmax, D);
     prefetch_rows(kb, ks, vb, vs, j + 2, nmax, D);
-#pragma GCC unroll 4
+#pragma GCC unroll 6
     for (int i0 = 0; i0 < NT; i0 += 2) {
       const bool pair = i0 + 1 < NT;
       const float* q0 = q + i0 * D;
@@ -246,23 +273,24 @@ void attend_tile(const float* q, const int64_t* n, int64_t D, const float* kb, i
   float inv[NT];
   tile_softmax(NT, n, sc, e, n8, inv, vis, shared);
   // outputs, 16 lanes of every query per pass over the slots: the shared slots for all, then
-  // each query's own tail
+  // each query's own tail.  A tile of more than 6 queries runs its two parts (6 and NT - 6) in
+  // turn over blocks of kSlotBlock slots, so each block of values comes from L1 for the second
+  // part; every accumulator still adds its slots in increasing order, from 0: the same bits.
   for (int64_t c = 0; c < D; c += 16) {
     const bool w2 = c + 8 < D;
     __m256 acc0[NT], acc1[NT];
-#pragma GCC unroll 8
+#pragma GCC unroll 12
     for (int i = 0; i < NT; ++i) acc0[i] = acc1[i] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < nmin; ++j) {
-      const float* vr = vb + j * vs + c;
-      const __m256 v0 = _mm256_loadu_ps(vr), v1 = w2 ? _mm256_loadu_ps(vr + 8) : v0;
-#pragma GCC unroll 8
-      for (int i = 0; i < NT; ++i) {
-        const __m256 ev = _mm256_set1_ps(e[i * n8 + j]);
-        acc0[i] = _mm256_fmadd_ps(ev, v0, acc0[i]);
-        acc1[i] = _mm256_fmadd_ps(ev, v1, acc1[i]);
+    if constexpr (NT <= 6) {
+      shared_slots<NT>(e, n8, vb, vs, c, w2, 0, nmin, acc0, acc1);
+    } else {
+      for (int64_t j0 = 0; j0 < nmin; j0 += kSlotBlock) {
+        const int64_t j1 = std::min(j0 + kSlotBlock, nmin);
+        shared_slots<6>(e, n8, vb, vs, c, w2, j0, j1, acc0, acc1);
+        shared_slots<NT - 6>(e + 6 * n8, n8, vb, vs, c, w2, j0, j1, acc0 + 6, acc1 + 6);
       }
     }
-#pragma GCC unroll 8
+#pragma GCC unroll 12
     for (int i = 0; i < NT; ++i) {
       for (int64_t j = nmin; j < n[i]; ++j) {
         const float* vr = vb + (vis ? vis[i][j] : j) * vs + c;
@@ -346,6 +374,15 @@ constexpr std::array<TileFn, sizeof...(I)> wide_tiles(std::integer_sequence<int,
   return {&attend_tile512<I + 1>...};
 }
 constexpr auto kWideTiles = wide_tiles(std::make_integer_sequence<int, kWideTile>{});
+
+// The 256-bit tile: up to kTile queries (two parts of up to 6 in its output pass).
+constexpr int kTile = 12;
+
+template <int... I>
+constexpr std::array<TileFn, sizeof...(I)> tiles256(std::integer_sequence<int, I...>) {
+  return {&attend_tile<I + 1>...};
+}
+constexpr auto kTiles = tiles256(std::make_integer_sequence<int, kTile>{});
 
 // The AVX-512 tile where the CPU has AVX-512 F/DQ/VL, unless SPECDEC_KERNEL=avx2 (A/B runs):
 // read per call, like the matmuls' setting.
@@ -521,10 +558,10 @@ torch::Tensor attend(const torch::Tensor& qkv, const torch::Tensor& positions, c
       seen_by_all = seen_by_all && std::any_of(mp + (b * T + t) * T, mp + (b * T + t + 1) * T, [](bool v) { return v; });
   const bool grouped = seen_by_all && D % 8 == 0 && D <= 128;
   // grouped: the T x group queries of a KV head, t-major, in tiles of NQ; one tile per work item
-  // (NQ = 6 on the 256-bit tile, kWideTile on the AVX-512 one)
+  // (NQ = kTile on the 256-bit tile, kWideTile on the AVX-512 one: 12 either way)
   const bool wide = grouped && D % 16 == 0 && wide_attention();
-  constexpr int NQMAX = kWideTile;
-  const int NQ = wide ? kWideTile : 6;
+  constexpr int NQMAX = kWideTile > kTile ? kWideTile : kTile;
+  const int NQ = wide ? kWideTile : kTile;
   const int64_t nqh = T * group, tiles = (nqh + NQ - 1) / NQ, items = B * Hkv * tiles;
   // The grouped path's items cut into one contiguous run per thread of about equal work: an
   // item costs about its queries times the slots its longest query sees (cost[it + 1] - cost[it],
@@ -592,18 +629,8 @@ torch::Tensor attend(const torch::Tensor& qkv, const torch::Tensor& positions, c
         sc.resize(NQ * n8);
         e.resize(NQ * n8);
         const int32_t* const* v = has_mask ? vis : nullptr;
-        if (wide) {
-          kWideTiles[tile - 1](qt.data(), n, D, kb, ks2, vb, vs2, scale, sc.data(), e.data(), n8, orow, v, p0, top);
-          continue;
-        }
-        switch (tile) {
-          case 1: attend_tile<1>(qt.data(), n, D, kb, ks2, vb, vs2, scale, sc.data(), e.data(), n8, orow, v, p0, top); break;
-          case 2: attend_tile<2>(qt.data(), n, D, kb, ks2, vb, vs2, scale, sc.data(), e.data(), n8, orow, v, p0, top); break;
-          case 3: attend_tile<3>(qt.data(), n, D, kb, ks2, vb, vs2, scale, sc.data(), e.data(), n8, orow, v, p0, top); break;
-          case 4: attend_tile<4>(qt.data(), n, D, kb, ks2, vb, vs2, scale, sc.data(), e.data(), n8, orow, v, p0, top); break;
-          case 5: attend_tile<5>(qt.data(), n, D, kb, ks2, vb, vs2, scale, sc.data(), e.data(), n8, orow, v, p0, top); break;
-          default: attend_tile<6>(qt.data(), n, D, kb, ks2, vb, vs2, scale, sc.data(), e.data(), n8, orow, v, p0, top); break;
-        }
+        (wide ? kWideTiles : kTiles)[tile - 1](qt.data(), n, D, kb, ks2, vb, vs2, scale, sc.data(), e.data(), n8,
+                                                orow, v, p0, top);
       }
     } else {
     std::vector<float> q(D);
@@ -710,6 +737,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "x += d; rms_norm(x) * w");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("attend", &attend, "RoPE, KV cache write and attention for a few query rows");
-  m.def("attend_tile_queries", [] { return wide_attention() ? kWideTile : 6; },
-        "queries per tile of the grouped attention path: 12 on AVX-512 (unless SPECDEC_KERNEL=avx2), 6 otherwise");
+  m.def("attend_tile_queries", [] { return wide_attention() ? kWideTile : kTile; },
+        "queries per tile of the grouped attention path (12 on either ISA)");
 }
