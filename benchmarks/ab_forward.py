@@ -11,6 +11,10 @@ baseline.  A table, then one JSON line.
     .venv/bin/python benchmarks/ab_forward.py --kernel qlinear /tmp/old.cpp specdec/runtime/kernels/qlinear.cpp
         [--model qwen2.5-coder-1.5b] [--dtype native|q4_0] [--width 5] [--repeats 15] [--threads 2] [--context 200]
 
+`--prompt` makes the wide forward prompt processing: logits at its last position only (without
+it every position's logits are computed, as a verify does; at T = 2,048 that output head is most of
+the time for Qwen).
+
 `--kernel fused --attention-only` times just the attention calls of one forward (one per layer,
 the model's shapes, each layer its own random cache; a 256 MB write between passes evicts the
 caches as the rest of a forward would), for changes too small to see in a whole forward here.
@@ -68,6 +72,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--attention-only", action="store_true", help="--kernel fused: time attend alone")
+    ap.add_argument("--prompt", action="store_true",
+                    help="the wide forward returns the last position's logits only (prompt processing, as "
+                         "benchmarks/prefill.py times it), not every position's (a verify)")
     ap.add_argument("--matmul", metavar="TENSOR", help="--kernel qlinear: time one matmul on this GGUF tensor")
     ap.add_argument("--rows", type=int, default=2048, help="--matmul: output rows of the tensor used")
     ap.add_argument("--isa", type=int, default=0, help="--matmul: 0 auto, 2 AVX2, 512 AVX-512 VNNI, 1024 AMX")
@@ -78,6 +85,8 @@ def main() -> None:
         ap.error("--attention-only needs --kernel fused")
     if args.matmul and args.kernel != "qlinear":
         ap.error("--matmul needs --kernel qlinear")
+    if args.prompt and (args.attention_only or args.matmul):
+        ap.error("--prompt times whole forwards: not with --attention-only or --matmul")
     torch.set_num_threads(args.threads)
     if args.matmul:
         return matmul_ab(args)
@@ -118,13 +127,15 @@ def main() -> None:
                             fused.attend(step, qkv[w], kc, vc, H, Hkv)
                     else:
                         toks = torch.randint(0, 1000, (1, w), generator=g)
+                        last = torch.full((1, 1), w - 1) if args.prompt and w > 1 else None
                         t0 = time.perf_counter()
-                        model.forward(toks, pos, cache)  # KV written past the context, never advanced
+                        model.forward(toks, pos, cache, logits_at=last)  # KV written past the context, never advanced
                     if rep:
                         times[e, w].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     T = args.width
-    what = "attention calls of one forward" if args.attention_only else f"--dtype {args.dtype}"
+    what = ("attention calls of one forward" if args.attention_only else f"--dtype {args.dtype}"
+            + (", the wide forward's last logits only" if args.prompt else ""))
     print(f"{args.model}, {what}, {args.threads} threads, {args.context}-token cache, "
           f"median of {args.repeats}, builds alternating in one process")
     print(f"| source | T=1 | T={T} | T={T}/T=1 |")
@@ -136,7 +147,7 @@ def main() -> None:
         rows.append({"source": s, "t1_ms": a, f"t{T}_ms": b, "t1_vs_base": a / med[0, 1],
                      f"t{T}_vs_base": b / med[0, T], "ratio": b / a})
     print(json.dumps({"benchmark": "ab_forward", "kernel": args.kernel, "model": args.model, "dtype": args.dtype,
-                      "attention_only": args.attention_only,
+                      "attention_only": args.attention_only, "prompt": args.prompt,
                       "threads": args.threads, "width": T, "repeats": args.repeats, "results": rows}))
 
 

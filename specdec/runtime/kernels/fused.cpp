@@ -237,37 +237,66 @@ void attend_tile(const float* q, const int64_t* n, int64_t D, const float* kb, i
   int64_t nmin, nmax;
   tile_span(NT, n, nmin, nmax);
   if (vis) nmin = shared, nmax = top;  // (scores for slots 0 .. top-1; shared read by every query)
-  // scores, four keys per pass, for two queries at a time (8 independent FMA chains; the four
-  // keys' rows are read from L1 again by the tile's other pairs of queries), the four sums of a
-  // query in one hsum4; a key past a query's own n (or a row past nmax, read as the last one)
-  // is scored but never read, and the writes stay below n8 (a multiple of 8 >= nmax).  The
-  // rows 8 slots on are prefetched, values too (the first tile of a head meets them in DRAM:
-  // the cache of all layers is larger than L3's share)
-  const __m128 sv = _mm_set1_ps(scale);
-  for (int64_t j = 0; j < nmax; j += 4) {
-    const float* kr[4];
-    for (int r = 0; r < 4; ++r) kr[r] = kb + std::min(j + r, nmax - 1) * ks;
-    prefetch_rows(kb, ks, vb, vs, j, nmax, D);
-    prefetch_rows(kb, ks, vb, vs, j + 2, nmax, D);
-#pragma GCC unroll 6
-    for (int i0 = 0; i0 < NT; i0 += 2) {
-      const bool pair = i0 + 1 < NT;
-      const float* q0 = q + i0 * D;
-      const float* q1 = q + (pair ? i0 + 1 : i0) * D;
-      __m256 a[2][4];
-#pragma GCC unroll 4
-      for (int r = 0; r < 4; ++r) a[0][r] = a[1][r] = _mm256_setzero_ps();
+  // scores.  Up to 6 queries (a decode step's KV head): two keys per pass over d for all of
+  // them (2 x NT independent FMA chains), each sum by hsum.  More (a prompt's or a verify's
+  // tile): four keys per pass for two queries at a time (8 chains; the four keys' rows are read
+  // from L1 again by the tile's other pairs), the four sums of a query in one hsum4, the same
+  // bits.  (Four keys for tiles of up to 6 too made a decode step's attention 10% slower with
+  // its keys in DRAM: Qwen 1.5B, T = 1, 200 slots.)  A key past a query's own n (or a row past
+  // nmax, read as the last one) is scored but never read, and the writes stay below n8 (a
+  // multiple of 8 >= nmax).  The rows 8 slots on are prefetched, values too (the first tile of
+  // a head meets them in DRAM: the cache of all layers is larger than L3's share)
+  if constexpr (NT <= 6) {
+    for (int64_t j = 0; j < nmax; j += 2) {
+      const bool two = j + 1 < nmax;
+      const float* k0 = kb + j * ks;
+      const float* k1 = kb + (two ? j + 1 : j) * ks;
+      prefetch_rows(kb, ks, vb, vs, j, nmax, D);
+      __m256 a0[NT], a1[NT];
+#pragma GCC unroll 8
+      for (int i = 0; i < NT; ++i) a0[i] = a1[i] = _mm256_setzero_ps();
       for (int64_t d = 0; d < D; d += 8) {
-        const __m256 qv0 = _mm256_loadu_ps(q0 + d), qv1 = _mm256_loadu_ps(q1 + d);
-#pragma GCC unroll 4
-        for (int r = 0; r < 4; ++r) {
-          const __m256 kv = _mm256_loadu_ps(kr[r] + d);
-          a[0][r] = _mm256_fmadd_ps(qv0, kv, a[0][r]);
-          a[1][r] = _mm256_fmadd_ps(qv1, kv, a[1][r]);
+        const __m256 kv0 = _mm256_loadu_ps(k0 + d), kv1 = _mm256_loadu_ps(k1 + d);
+#pragma GCC unroll 8
+        for (int i = 0; i < NT; ++i) {
+          const __m256 qv = _mm256_loadu_ps(q + i * D + d);
+          a0[i] = _mm256_fmadd_ps(qv, kv0, a0[i]);
+          a1[i] = _mm256_fmadd_ps(qv, kv1, a1[i]);
         }
       }
-      _mm_storeu_ps(sc + i0 * n8 + j, _mm_mul_ps(hsum4(a[0][0], a[0][1], a[0][2], a[0][3]), sv));
-      if (pair) _mm_storeu_ps(sc + (i0 + 1) * n8 + j, _mm_mul_ps(hsum4(a[1][0], a[1][1], a[1][2], a[1][3]), sv));
+#pragma GCC unroll 8
+      for (int i = 0; i < NT; ++i) {
+        sc[i * n8 + j] = hsum(a0[i]) * scale;
+        if (two) sc[i * n8 + j + 1] = hsum(a1[i]) * scale;
+      }
+    }
+  } else {
+    const __m128 sv = _mm_set1_ps(scale);
+    for (int64_t j = 0; j < nmax; j += 4) {
+      const float* kr[4];
+      for (int r = 0; r < 4; ++r) kr[r] = kb + std::min(j + r, nmax - 1) * ks;
+      prefetch_rows(kb, ks, vb, vs, j, nmax, D);
+      prefetch_rows(kb, ks, vb, vs, j + 2, nmax, D);
+#pragma GCC unroll 6
+      for (int i0 = 0; i0 < NT; i0 += 2) {
+        const bool pair = i0 + 1 < NT;
+        const float* q0 = q + i0 * D;
+        const float* q1 = q + (pair ? i0 + 1 : i0) * D;
+        __m256 a[2][4];
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; ++r) a[0][r] = a[1][r] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) {
+          const __m256 qv0 = _mm256_loadu_ps(q0 + d), qv1 = _mm256_loadu_ps(q1 + d);
+#pragma GCC unroll 4
+          for (int r = 0; r < 4; ++r) {
+            const __m256 kv = _mm256_loadu_ps(kr[r] + d);
+            a[0][r] = _mm256_fmadd_ps(qv0, kv, a[0][r]);
+            a[1][r] = _mm256_fmadd_ps(qv1, kv, a[1][r]);
+          }
+        }
+        _mm_storeu_ps(sc + i0 * n8 + j, _mm_mul_ps(hsum4(a[0][0], a[0][1], a[0][2], a[0][3]), sv));
+        if (pair) _mm_storeu_ps(sc + (i0 + 1) * n8 + j, _mm_mul_ps(hsum4(a[1][0], a[1][1], a[1][2], a[1][3]), sv));
+      }
     }
   }
   float inv[NT];
