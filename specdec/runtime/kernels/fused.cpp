@@ -209,15 +209,15 @@ inline void shared_slots(const float* e, int64_t n8, const float* vb, int64_t vs
   for (int i = 0; i < NS; ++i) a0[i] = acc0[i], a1[i] = acc1[i];
 }
 
-// Causal attention (no mask) of a tile of NT queries that share one KV head: query i sees slots
-// 0 .. n[i]-1.  Per query the arithmetic is attend's per-query loop, operation for operation: each
+// Causal attention of a tile of NT queries that share one KV head (a draft tree's mask: vis,
+// below): query i sees slots 0 .. n[i]-1.  Per query the arithmetic is attend's per-query loop, operation for operation: each
 // score is one FMA chain over d (8 lanes) then hsum, times scale; the softmax over the query's own
 // n; each output lane one FMA chain over the slots in order, times 1 / sum.  So the bits are the
 // same whatever the tile holds; only the loop nest differs: each key and value row is loaded once
 // for the tile, not once per query.  (At T = 5 a Qwen 1.5B KV head has 30 queries, and their
 // re-reads of its keys and values, from L2, were most of the attention time.)  NT <= 12: the
-// score pass runs 4 keys x 2 queries (8 independent FMA chains, the 4 sums in one hsum4), the
-// output pass 6 queries x 2 (12 chains in flight hide the FMA latency; 8 barely do) in 15 of the
+// score pass runs 2 keys x NT queries for NT <= 6, 4 keys x 2 queries (8 independent FMA chains,
+// the 4 sums in one hsum4) above, the output pass 6 queries x 2 (12 chains in flight hide the FMA latency; 8 barely do) in 15 of the
 // 16 ymm registers, a tile of more than 6 in two parts over blocks of slots; every loop over
 // the tile is unrolled, or GCC keeps the accumulators in memory (a store per slot).  Hot in
 // cache, one thread, Qwen shapes (D = 128, 200 slots), cycles per query and slot: 48 (NT = 4,
@@ -339,10 +339,10 @@ void attend_tile(const float* q, const int64_t* n, int64_t D, const float* kb, i
 // j + 1 in lanes 8-15, against the query's 8 lanes broadcast to both halves: each half is the
 // 256-bit routine's chain for its key, and its hsum the same 8-lane sum.  The output pass keeps
 // 16 output lanes of a query in one zmm (the 256-bit routine's acc0, acc1 side by side).  With
-// 32 registers a tile holds twice the queries (12 against 6: two positions of a Qwen 1.5B KV
-// head's 6 query heads), so each key and value row is read once per 12 queries: in a long
-// prompt those rows come from L3 (a KV head's 2,048 slots are 2 MiB), and their reads, not the
-// FMAs, were most of the attention time.
+// 32 registers it holds 12 queries in one pass (two positions of a Qwen 1.5B KV head's 6 query
+// heads; the 256-bit tile of 12 needs two parts), so each key and value row is read once per 12
+// queries: in a long prompt those rows come from L3 (a KV head's 2,048 slots are 2 MiB), and
+// their reads, not the FMAs, were most of the attention time.
 constexpr int kWideTile = 12;
 
 #pragma GCC push_options
@@ -616,7 +616,7 @@ torch::Tensor attend(const torch::Tensor& qkv, const torch::Tensor& positions, c
     // (implicit barrier: every new key is in place before any query reads the cache)
     std::vector<float> sc, e;
     if (grouped) {
-      // Causal, no mask: a work item is (batch row, KV head, tile of up to NQ of its queries)
+      // Causal (a tree's mask as vis): a work item is (batch row, KV head, tile of up to NQ of its queries)
       // (attend_tile).  In item order, one run of about equal work per thread (cost, above): a
       // thread takes whole heads where it can, so a head's keys and values come from DRAM once
       // and from its own L2 for the later tiles (dynamic handed both threads tiles of the same
