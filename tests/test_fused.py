@@ -218,6 +218,20 @@ def test_attend_grouped_equals_per_query(data):
     assert torch.equal(grouped, per_query)
 
 
+def _prompt_case(seed, T, history, Hkv, H, D):
+    """A prompt chunk's inputs: T new tokens at positions history .. history + T - 1 of one cache
+    row (random qkv, keys, values), its RoPE tables and its causal mask [1, T, T]."""
+    g = torch.Generator().manual_seed(seed)
+    cap = history + T + 8
+    qkv = torch.randn(1, T, (H + 2 * Hkv) * D, generator=g)
+    kc = torch.randn(1, Hkv, cap, D, generator=g)
+    vc = torch.randn(1, Hkv, cap, D, generator=g)
+    cos, sin = rope_tables(D, cap, 10000.0)
+    positions = torch.arange(history, history + T)[None]
+    causal = torch.ones(T, T, dtype=torch.bool).tril()[None]
+    return qkv, kc, vc, cos, sin, positions, causal
+
+
 @settings(max_examples=25, deadline=None)
 @given(T=st.integers(1, 90), history=st.integers(0, 70), Hkv=st.integers(1, 3), group=st.integers(1, 7),
        D=st.sampled_from([8, 16, 24, 64, 128]), seed=st.integers(0, 9999))
@@ -228,14 +242,8 @@ def test_attend_prompt_chunks_are_batch_invariant_at_any_thread_count(T, history
     computed alone (T = 1 over the same cache, as decoding would) and of the chunk under an
     explicit causal mask.  Negative control: one query (seeing 2+ slots) moved by 1e-3 must
     change that query's output and no other (position, head)'s."""
-    g = torch.Generator().manual_seed(seed)
-    H, cap = Hkv * group, history + T + 8
-    qkv = torch.randn(1, T, (H + 2 * Hkv) * D, generator=g)
-    kc = torch.randn(1, Hkv, cap, D, generator=g)
-    vc = torch.randn(1, Hkv, cap, D, generator=g)
-    cos, sin = rope_tables(D, cap, 10000.0)
-    positions = torch.arange(history, history + T)[None]
-    causal = torch.ones(T, T, dtype=torch.bool).tril()[None]
+    H = Hkv * group
+    qkv, kc, vc, cos, sin, positions, causal = _prompt_case(seed, T, history, Hkv, H, D)
 
     def run(x=qkv, mask=None, threads=2, pos=positions, k=kc, v=vc):
         old = torch.get_num_threads()
@@ -286,15 +294,9 @@ def test_attend_avx512_tile_equals_the_256_bit_tile(T, group, D, history):
         assert ext.attend_tile_queries() == 12
     if not wide:
         pytest.skip("this CPU has no AVX-512: the 256-bit tile is the only one (tested above)")
-    g = torch.Generator().manual_seed(T * 1000 + D)
-    Hkv, cap = 2, history + T + 8
+    Hkv = 2
     H = Hkv * group
-    qkv = torch.randn(1, T, (H + 2 * Hkv) * D, generator=g)
-    kc = torch.randn(1, Hkv, cap, D, generator=g)
-    vc = torch.randn(1, Hkv, cap, D, generator=g)
-    cos, sin = rope_tables(D, cap, 10000.0)
-    positions = torch.arange(history, history + T)[None]
-    causal = torch.ones(T, T, dtype=torch.bool).tril()[None]
+    qkv, kc, vc, cos, sin, positions, causal = _prompt_case(T * 1000 + D, T, history, Hkv, H, D)
 
     def run(kernel, mask=None, k=kc):
         kk, vv = k.clone(), vc.clone()
